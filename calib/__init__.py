@@ -1,0 +1,18 @@
+"""Calibration and evaluation data: corpora, the split protocol, perplexity.
+
+The bottom layer: it imports nothing from the rest of qcompile.
+"""
+from calib.corpus import CorpusError, load_corpus_text
+from calib.protocol import CalibrationConfig, TokenSplit, calibration_windows, evaluation_windows, split_tokens
+from calib.perplexity import perplexity
+
+__all__ = [
+    "CorpusError",
+    "load_corpus_text",
+    "CalibrationConfig",
+    "TokenSplit",
+    "split_tokens",
+    "calibration_windows",
+    "evaluation_windows",
+    "perplexity",
+]

@@ -1,0 +1,1 @@
+"""Imports every built-in weight format so each registers itself with ``compiler.qlinear``."""

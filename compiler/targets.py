@@ -1,0 +1,45 @@
+"""What each deployment target can run, declared by the backends and checked before any work.
+
+A backend registers a ``TargetSpec`` whose ``check(module, fmt)`` returns ``None`` when the
+target runs a module stored in format ``fmt`` (the manifest's per-module entry, e.g.
+``{"format": "int4", "group_size": 64}``) or a reason when it cannot. Pipeline validation and
+``qcompile lower`` both use it, so an impossible combination fails before compiling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from compiler.errors import ConfigError
+from compiler.options import suggest
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    name: str
+    description: str
+    check: Callable[[str, dict], str | None]
+
+
+TARGETS: dict[str, TargetSpec] = {}
+
+
+def register_target(spec: TargetSpec) -> TargetSpec:
+    TARGETS[spec.name] = spec
+    return spec
+
+
+def get_target(name: str) -> TargetSpec:
+    if name not in TARGETS:
+        raise ConfigError(f"unknown target {name!r}{suggest(name, TARGETS)}")
+    return TARGETS[name]
+
+
+def check_formats(target: str, formats: dict[str, dict], where: str = "") -> None:
+    """Raise ConfigError listing every module the target cannot run."""
+    spec = get_target(target)
+    problems = [f"{module}: {why}" for module, fmt in formats.items() if (why := spec.check(module, fmt))]
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        prefix = f"{where}: " if where else ""
+        raise ConfigError(f"{prefix}target {target!r} cannot run {'; '.join(problems[:3])}{more}")

