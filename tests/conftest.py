@@ -50,3 +50,39 @@ def smollm2():
     from compiler.checkpoint import load_checkpoint
 
     return load_checkpoint("smollm2")
+
+
+def make_byte_tokenizer(vocab_size: int = 320):
+    """A small byte-level BPE tokenizer trained on the pydoc corpus (no download), ids < vocab_size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from calib import load_corpus_text
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([load_corpus_text("pydoc")[:200_000]], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer():
+    return make_byte_tokenizer()
+
+
+@pytest.fixture
+def tiny_checkpoint_with_tokenizer(tmp_path, byte_tokenizer):
+    """Factory: a tiny HF checkpoint whose vocabulary matches ``byte_tokenizer`` (saved beside it)."""
+
+    def make(arch: str = "llama", **overrides):
+        overrides.setdefault("vocab_size", len(byte_tokenizer))
+        model = make_hf_model(arch, **overrides)
+        path = tmp_path / f"tiny-{arch}-tok"
+        model.save_pretrained(path)
+        byte_tokenizer.save_pretrained(path)
+        return path, model
+
+    return make
