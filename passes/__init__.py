@@ -1,0 +1,2 @@
+"""Built-in passes; each registers itself with ``compiler.pipeline.register_pass`` on import."""
+import passes.awq  # noqa: F401
