@@ -98,6 +98,11 @@ def example_cmd(
     run_example(out, output, windows)
 
 
+from compiler.cli.generate import generate_cmd  # noqa: E402
+
+app.command("generate")(generate_cmd)
+
+
 def main() -> None:
     try:
         app()
