@@ -180,3 +180,25 @@ def test_pattern_matching_nothing_is_a_validation_error(tiny):
 
 def test_options_defaults_keep_lm_head_and_embeddings():
     assert Fp8Options().modules_to_not_convert == ["lm_head", "embed_tokens"]
+
+
+def test_example_pipeline_validates(tiny):
+    from compiler.cli.example import EXAMPLES_DIR, VARIANTS
+
+    assert ("fp8", "fp8.toml") in VARIANTS
+    formats = Pipeline(PipelineConfig.from_toml(EXAMPLES_DIR / "fp8.toml")).validate(tiny().model.config)
+    assert len(formats) == 14 and all(f["format"] == "fp8" for f in formats.values())
+
+
+def test_cli_reports_bad_fp8_option_in_one_line(tmp_path, tiny_checkpoint):
+    import subprocess
+    import sys
+
+    path, _ = tiny_checkpoint("llama")
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[passes]]\nname = "fp8"\nweight_dtype = "float8_e4m3"\n')
+    proc = subprocess.run([sys.executable, "-c", "from compiler.cli import main; main()", "compile", str(path),
+                           "-c", str(bad), "-o", str(tmp_path / "out")], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "weight_dtype" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
