@@ -101,8 +101,9 @@ class Fp8Pass(Pass):
                          o.activation_scheme).format_meta() | {"in_features": in_features, "out_features": out_features}
 
     def planned_formats(self, config: ModelConfig) -> dict[str, dict]:
-        linears = linear_modules(_meta_model(config))
-        return {n: self._format(linears[n].in_features, linears[n].out_features) for n in self._candidates(_meta_model(config))}
+        model = _meta_model(config)
+        linears = linear_modules(model)
+        return {n: self._format(linears[n].in_features, linears[n].out_features) for n in self._candidates(model)}
 
     def check(self, config: ModelConfig) -> None:
         names = [n for n, _ in _meta_model(config).named_modules() if n]

@@ -117,3 +117,14 @@ def test_fp8_linear_static_saturates_instead_of_nan():
 def test_fp8_gemm_default_dispatch_matches_reference():
     _, _, xq, xs, wq, ws, bias = _operands(9, 17, 33, torch.float8_e4m3fn, torch.float8_e4m3fn, "per_channel", 3)
     assert rel_error(fp8_gemm(xq, xs, wq, ws, bias), dequant_gemm(xq, xs, wq, ws, bias)) < 1e-5
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "none"])
+def test_fp8_linear_keeps_bfloat16_models_in_bfloat16(scheme):
+    torch.manual_seed(2)
+    lin = nn.Linear(32, 16).to(torch.bfloat16)
+    q = Fp8Linear.from_linear(lin, activation_scheme=scheme)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    y = q(x)
+    assert y.dtype == torch.bfloat16 and q.bias.dtype == torch.bfloat16
+    assert rel_error(y, lin(x)) < 0.08
