@@ -168,7 +168,9 @@ class DecoderGraph:
     def _mask(self, positions: str) -> str:
         """Boolean [T, Lk]: key j is visible to query t when 0 <= pos[t] - j (< window)."""
         b = self.b
-        key_pos = b.const(np.arange(self.spec.max_len), "/mask") if self.decode else positions
+        key_pos = positions
+        if self.decode:  # every cache slot; built in-graph so no large constant sits outside the shared weights
+            key_pos = b.op("Range", [b.const(0, "/mask"), b.const(self.spec.max_len, "/mask"), b.const(1, "/mask")], "/mask")
         diff = b.op("Sub", [b.op("Unsqueeze", [positions, b.const([1], "/mask")], "/mask"),
                             b.op("Unsqueeze", [key_pos, b.const([0], "/mask")], "/mask")], "/mask")
         mask = b.op("GreaterOrEqual", [diff, b.const(0, "/mask")], "/mask")

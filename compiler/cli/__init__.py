@@ -98,6 +98,11 @@ def example_cmd(
     run_example(out, output, windows)
 
 
+from compiler.cli.lower import lower_cmd  # noqa: E402  (its own module: see compiler/cli/lower.py)
+
+app.command("lower")(lower_cmd)
+
+
 def main() -> None:
     try:
         app()
