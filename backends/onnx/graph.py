@@ -217,8 +217,8 @@ class DecoderGraph:
     def _cache_write(self, new: str, which: str, scope: str) -> str:
         """The cache after this call, [B, Hkv, L, D], emitted as graph output ``present_{which}``."""
         b, L = self.b, self.spec.max_len
-        axis = b.const([2], scope)
         if self.decode:
+            axis = b.const([2], scope)
             seq = b.op("Gather", [b.op("Shape", [new], scope), b.const([2], scope)], scope, axis=0)
             end = b.op("Add", ["past_len", seq], scope)
             before = b.op("Slice", [f"past_{which}", b.const([0], scope), "past_len", axis], scope)

@@ -1,0 +1,1 @@
+"""Serving adapters: one ``ServingAdapter`` per runtime (ONNX Runtime, Ascend .om, …)."""
