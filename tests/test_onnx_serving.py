@@ -133,3 +133,15 @@ def test_torch_npu_only_imported_when_asked():
         with pytest.raises(BackendUnavailable, match="torch_npu"):
             npu_device()
     assert json.dumps(sorted(m for m in sys.modules if m.startswith("torch_npu"))) == "[]"
+
+
+def test_example_onnx_stage(artifact_with_tokenizer, tmp_path):
+    from rich.console import Console
+
+    from compiler.cli.example_onnx import run_onnx_stage
+
+    console = Console(record=True, width=200)
+    rows = [{"variant": "int4-rtn", "path": str(artifact_with_tokenizer)}]
+    (result,) = run_onnx_stage(console, rows, tmp_path, "def fibonacci(n):")
+    assert result["rel_error"] < 1e-4 and result["greedy_same"]
+    assert "MatMulNBits" in result["layers"] and "identical" in console.export_text()
