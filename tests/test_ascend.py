@@ -84,6 +84,7 @@ def test_exported_fp16_graphs_pass_op_check(int4_artifact):
 
 
 # -- the atc invocation ---------------------------------------------------------------------
+@pytest.mark.integration
 def test_atc_flags_gears_soc_precision(int4_artifact, atc_double, tmp_path):
     out = tmp_path / "bundle"
     result = lower_ascend(load_artifact(int4_artifact), out, OPTS, max_len=128)
@@ -100,6 +101,7 @@ def test_atc_flags_gears_soc_precision(int4_artifact, atc_double, tmp_path):
     assert (out / "atc.log").exists() and not list(out.glob(".om.tmp*"))
 
 
+@pytest.mark.integration
 def test_precision_mode_v2_replaces_v1(int4_artifact, atc_double, tmp_path):
     opts = AtcOptions("Ascend910B3", (32, 64), precision_mode_v2="origin")
     lower_ascend(load_artifact(int4_artifact), tmp_path / "b", opts, max_len=64)
@@ -107,6 +109,7 @@ def test_precision_mode_v2_replaces_v1(int4_artifact, atc_double, tmp_path):
         assert "--precision_mode_v2=origin" in call and not any(a.startswith("--precision_mode=") for a in call)
 
 
+@pytest.mark.integration
 def test_atc_error_surfaced_with_node_and_nothing_half_written(int4_artifact, atc_double, monkeypatch, tmp_path):
     loaded = load_artifact(int4_artifact)
     node = next(n.name for n in export_graphs(loaded.model, OnnxExportOptions(128, "float16", 1, None, True))[0].graph.node
@@ -123,6 +126,7 @@ def test_atc_error_surfaced_with_node_and_nothing_half_written(int4_artifact, at
     assert (out / "bundle.json").exists() and (out / "build_om.sh").exists()  # the bundle itself is whole
 
 
+@pytest.mark.integration
 def test_atc_success_without_om_is_an_error(int4_artifact, atc_double, monkeypatch, tmp_path):
     monkeypatch.setenv("ATC_DOUBLE_MODE", "no-om")
     with pytest.raises(AtcFailed, match="wrote no prefill, decode .om"):

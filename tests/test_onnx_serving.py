@@ -18,7 +18,7 @@ from compiler.artifact import load_artifact
 from onnx_helpers import make_artifact
 from serving.adapters._stream import sample
 from serving.adapters.ascend import AscendAdapter, BackendUnavailable, ais_bench_factory, npu_device
-from serving.adapters.onnx import OnnxAdapter
+from serving.adapters.onnx import OnnxRuntimeAdapter
 from serving.types import SamplingParams
 
 DOUBLES = Path(__file__).parent / "doubles"
@@ -49,7 +49,7 @@ def test_onnx_adapter_greedy_stream_matches_torch(artifact_with_tokenizer, onnx_
     prompt = "def fibonacci(n):"
     ids = loaded.tokenizer(prompt)["input_ids"]
     expected = loaded.model.generate(torch.tensor([ids]), 20)[0, len(ids):].tolist()
-    events = collect(OnnxAdapter(onnx_bundle, threads=1), prompt, SamplingParams(max_tokens=20, ignore_eos=True))
+    events = collect(OnnxRuntimeAdapter(onnx_bundle, threads=1), prompt, SamplingParams(max_tokens=20, ignore_eos=True))
     tokens = [t for e in events for t in e.token_ids]
     assert tokens == expected
     assert [e.finish_reason for e in events] == [None] * 19 + ["length"]
@@ -57,7 +57,7 @@ def test_onnx_adapter_greedy_stream_matches_torch(artifact_with_tokenizer, onnx_
 
 
 def test_onnx_adapter_stop_string_and_seeded_sampling(onnx_bundle):
-    adapter = OnnxAdapter(onnx_bundle, threads=1)
+    adapter = OnnxRuntimeAdapter(onnx_bundle, threads=1)
     greedy = collect(adapter, "import os", SamplingParams(max_tokens=12, ignore_eos=True))
     text = "".join(e.text for e in greedy)
     stop = text.strip()[3:6] or text[:2]
@@ -94,6 +94,7 @@ class OrtOmSessionDouble:
         return self.session.run(None, dict(zip(self.names, feeds)))
 
 
+@pytest.mark.integration
 def test_ascend_adapter_buckets_and_kv_cache(tmp_path, monkeypatch):
     artifact = make_artifact(tmp_path, "llama", 32)
     bundle = tmp_path / "ascend"

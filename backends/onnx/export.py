@@ -12,7 +12,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from backends.onnx.graph import MS_DOMAIN, GraphSpec, build_graph
+from backends.onnx.graph import GraphSpec, build_graph
 from compiler.artifact import atomic_directory_write
 from compiler.checkpoint import LoadedModel
 from compiler.errors import ConfigError

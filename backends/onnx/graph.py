@@ -134,7 +134,7 @@ class DecoderGraph:
         self.decode = spec.kind == "decode"
 
     def build(self) -> onnx.ModelProto:
-        b, c, spec = self.b, self.c, self.spec
+        b, spec = self.b, self.spec
         x = b.op("Gather", [b.fweight("embed_tokens.weight", self.model.embed_tokens.weight), "input_ids"], "/embed")
         positions = self._positions()
         cos, sin = self._rope_tables(positions)

@@ -120,6 +120,11 @@ class AscendAdapter:
         self.tokenizer = load_tokenizer(bundle_dir) if info.tokenizer else None
         self._lock = asyncio.Lock()
 
+    @classmethod
+    def from_bundle(cls, bundle_dir: str | Path) -> "AscendAdapter":
+        """The adapter for a bundle from ``qcompile lower --target ascend`` on device 0 (the bench suite's entry)."""
+        return cls(bundle_dir)
+
     async def generate(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[StreamEvent]:
         ids = encode(prompt, self.tokenizer)
         async with self._lock:

@@ -30,7 +30,7 @@ class _RunnerModel:
         return self.runner.decode(np.array([[token_id]], np.int64))[0, -1]
 
 
-class OnnxAdapter:
+class OnnxRuntimeAdapter:
     """Streams tokens from an ONNX bundle; greedy, temperature, top-k, top-p, seed, stop strings."""
 
     name = "onnxruntime"
@@ -39,6 +39,11 @@ class OnnxAdapter:
         self.runner = OnnxRunner(bundle_dir, threads)
         self.tokenizer = load_tokenizer(Path(bundle_dir)) if self.runner.info.tokenizer else None
         self._lock = asyncio.Lock()
+
+    @classmethod
+    def from_dir(cls, bundle_dir: str | Path) -> "OnnxRuntimeAdapter":
+        """The adapter for a bundle written by ``qcompile lower --target onnx`` (what the bench suite calls)."""
+        return cls(bundle_dir)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[StreamEvent]:
         ids = encode(prompt, self.tokenizer)
