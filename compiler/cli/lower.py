@@ -25,7 +25,7 @@ class LowerRequest:
     artifact: Path
     output: Path
     force: bool = False
-    max_len: int = 1024
+    max_len: int | None = None  # None: min(1024, the model's max_seq_len)
     soc: str | None = None
     buckets: tuple[int, ...] | None = None
     atc: str | None = None
@@ -46,13 +46,17 @@ def register_lowering(target: str):
     return wrap
 
 
+DEFAULT_MAX_LEN = 1024
+
+
 def _load(req: LowerRequest, target: str):
+    """The artifact, checked against the target, and the cache length to lower with."""
     from compiler.artifact import load_artifact
     from compiler.targets import check_formats
 
     loaded = load_artifact(req.artifact)
     check_formats(target, loaded.manifest.get("modules", {}), str(req.artifact))
-    return loaded
+    return loaded, req.max_len or min(DEFAULT_MAX_LEN, loaded.model.config.max_seq_len)
 
 
 def _print_layers(console: Console, title: str, layers: dict[str, str]) -> None:
@@ -72,8 +76,8 @@ def _print_layers(console: Console, title: str, layers: dict[str, str]) -> None:
 def lower_onnx(req: LowerRequest, console: Console) -> None:
     from backends.onnx.export import OnnxExportOptions, default_dtype, export_onnx
 
-    loaded = _load(req, "onnx")
-    opts = OnnxExportOptions(max_len=req.max_len, dtype=default_dtype(loaded.model))
+    loaded, max_len = _load(req, "onnx")
+    opts = OnnxExportOptions(max_len=max_len, dtype=default_dtype(loaded.model))
     info = export_onnx(loaded, req.output, opts, req.force)
     _print_layers(console, "quantized layers", info.layers)
     console.print(f"wrote [bold]{req.output}[/bold] (prefill.onnx + decode.onnx, {info.dtype}, KV cache max_len {info.max_len})")
@@ -86,10 +90,10 @@ def lower_ascend_cmd(req: LowerRequest, console: Console) -> None:
 
     if not req.soc:
         raise ConfigError("--target ascend needs --soc (the chip name from 'npu-smi info', e.g. Ascend910B3)")
-    loaded = _load(req, "ascend")
-    atc_opts = AtcOptions(req.soc, req.buckets or tuple(b for b in DEFAULT_BUCKETS if b <= req.max_len),
+    loaded, max_len = _load(req, "ascend")
+    atc_opts = AtcOptions(req.soc, req.buckets or tuple(b for b in DEFAULT_BUCKETS if b <= max_len),
                           req.precision_mode, req.precision_mode_v2)
-    result = lower_ascend(loaded, req.output, atc_opts, req.max_len, req.atc, req.force)
+    result = lower_ascend(loaded, req.output, atc_opts, max_len, req.atc, req.force)
     for note in result.notes:
         console.print(f"note: {note}")
     console.print(f"wrote [bold]{result.bundle}[/bold]; .om: {', '.join(str(p) for p in result.om_files)}")
@@ -108,7 +112,7 @@ def lower_cmd(
     artifact: Path = typer.Argument(..., help="Artifact directory."),
     target: str = typer.Option(..., "--target", "-t", help="Deployment target (onnx, ascend, …)."),
     output: Path = typer.Option(..., "-o", "--output", help="Bundle directory to write."),
-    max_len: int = typer.Option(1024, "--max-len", min=1, help="KV-cache length (prompt + generated tokens)."),
+    max_len: Optional[int] = typer.Option(None, "--max-len", min=1, help="KV-cache length (prompt + generated tokens); default min(1024, the model's)."),
     soc: Optional[str] = typer.Option(None, "--soc", help="Ascend chip (npu-smi info), e.g. Ascend910B3."),
     buckets: Optional[str] = typer.Option(None, "--buckets", help="Ascend prefill length gears, e.g. 128,256,512."),
     atc: Optional[str] = typer.Option(None, "--atc", help="Path to atc (default: atc on PATH)."),
