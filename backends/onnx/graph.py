@@ -8,7 +8,8 @@ Two graphs share one set of weights (see ``export.py``):
 
 L is the cache's maximum length (contiguous layout, position p lives at index p). Prefill writes
 the new keys at 0..T-1 and zero-pads to L; decode writes them at past_len..past_len+T-1 with
-Slice + Concat and attends over all L keys under a mask (key j visible when j <= the query's
+Slice + Concat (or, when T is statically 1 as for ATC, with a Where on a one-slot mask, which
+keeps every shape static) and attends over all L keys under a mask (key j visible when j <= the query's
 position, and within the sliding window when the model has one). Building the graph by hand
 rather than through torch.onnx.export keeps every op on a short, known list — which ATC needs.
 """
@@ -132,6 +133,8 @@ class DecoderGraph:
         self.model, self.spec, self.c = model, spec, model.config
         self.b = builder or GraphBuilder(spec.dtype)
         self.decode = spec.kind == "decode"
+        self._key_pos: str | None = None  # decode: Range(0, L), every cache slot
+        self._slot: str | None = None
 
     def build(self) -> onnx.ModelProto:
         b, spec = self.b, self.spec
@@ -171,6 +174,7 @@ class DecoderGraph:
         key_pos = positions
         if self.decode:  # every cache slot; built in-graph so no large constant sits outside the shared weights
             key_pos = b.op("Range", [b.const(0, "/mask"), b.const(self.spec.max_len, "/mask"), b.const(1, "/mask")], "/mask")
+            self._key_pos = key_pos
         diff = b.op("Sub", [b.op("Unsqueeze", [positions, b.const([1], "/mask")], "/mask"),
                             b.op("Unsqueeze", [key_pos, b.const([0], "/mask")], "/mask")], "/mask")
         mask = b.op("GreaterOrEqual", [diff, b.const(0, "/mask")], "/mask")
@@ -217,20 +221,31 @@ class DecoderGraph:
     def _cache_write(self, new: str, which: str, scope: str) -> str:
         """The cache after this call, [B, Hkv, L, D], emitted as graph output ``present_{which}``."""
         b, L = self.b, self.spec.max_len
-        if self.decode:
-            axis = b.const([2], scope)
-            seq = b.op("Gather", [b.op("Shape", [new], scope), b.const([2], scope)], scope, axis=0)
-            end = b.op("Add", ["past_len", seq], scope)
-            before = b.op("Slice", [f"past_{which}", b.const([0], scope), "past_len", axis], scope)
-            after = b.op("Slice", [f"past_{which}", end, b.const([L], scope), axis], scope)
-            out = b.op("Concat", [before, new, after], scope, axis=2)
+        if self.decode and self.spec.seq == 1:
+            # One token at static shapes: select slot past_len by mask. Slice/Concat at past_len
+            # would give data-dependent shapes, which ATC's static .om graphs cannot hold.
+            out = b.op("Where", [self._slot_mask(), new, f"past_{which}"], scope)
         else:
             seq = b.op("Gather", [b.op("Shape", [new], scope), b.const([2], scope)], scope, axis=0)
-            pad_end = b.op("Sub", [b.const([L], scope), seq], scope)
-            pads = b.op("Concat", [b.const([0, 0, 0, 0, 0, 0], scope), pad_end, b.const([0], scope)], scope, axis=0)
-            out = b.op("Pad", [new, pads], scope)
+            if self.decode:
+                axis = b.const([2], scope)
+                before = b.op("Slice", [f"past_{which}", b.const([0], scope), "past_len", axis], scope)
+                after = b.op("Slice", [f"past_{which}", b.op("Add", ["past_len", seq], scope), b.const([L], scope), axis], scope)
+                out = b.op("Concat", [before, new, after], scope, axis=2)
+            else:
+                pad_end = b.op("Sub", [b.const([L], scope), seq], scope)
+                pads = b.op("Concat", [b.const([0, 0, 0, 0, 0, 0], scope), pad_end, b.const([0], scope)], scope, axis=0)
+                out = b.op("Pad", [new, pads], scope)
         b.nodes.append(helper.make_node("Identity", [out], [f"present_{which}"], name=f"{scope}/present_{which}"))
         return out
+
+    def _slot_mask(self) -> str:
+        """Boolean [1, 1, L, 1], true at cache slot past_len (built once, shared by every layer)."""
+        if self._slot is None:
+            b = self.b
+            slot = b.op("Equal", [self._key_pos, "past_len"], "/slot")
+            self._slot = b.op("Reshape", [slot, b.const([1, 1, self.spec.max_len, 1], "/slot")], "/slot")
+        return self._slot
 
     def _mlp(self, x: str, mlp: nn.Module, p: str) -> str:
         b, dq = self.b, self.spec.dequantize
