@@ -99,8 +99,10 @@ def example_cmd(
 
 
 from compiler.cli.generate import generate_cmd  # noqa: E402
+from compiler.cli.lower import lower_cmd  # noqa: E402
 
 app.command("generate")(generate_cmd)
+app.command("lower")(lower_cmd)
 
 
 def main() -> None:

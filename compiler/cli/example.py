@@ -47,8 +47,10 @@ def run_example(console: Console, out_dir: Path, windows: int) -> list[dict]:
     _print_table(console, rows, windows)
     sample = _greedy_sample(load_artifact(rows[0]["path"]))
     console.print(f"greedy sample from the float artifact: {PROMPT!r} → {sample!r}")
+    from compiler.cli.example_onnx import run_onnx_stage
     from compiler.cli.serve_demo import serve_demo
 
+    run_onnx_stage(console, rows, out_dir, PROMPT)
     serve_demo(console, rows[0]["path"])
     return rows
 
