@@ -98,6 +98,11 @@ def example_cmd(
     run_example(out, output, windows)
 
 
+from compiler.cli.distill import distill_cmd  # noqa: E402
+
+app.command("distill")(distill_cmd)
+
+
 def main() -> None:
     try:
         app()

@@ -13,7 +13,7 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -102,7 +102,6 @@ class LoopState:
     skipped: int = 0
     consecutive_skips: int = 0
     tokens: int = 0
-    position: DataPosition = field(default_factory=DataPosition)
 
 
 @dataclass
@@ -179,7 +178,7 @@ class Distiller:
         if self.env.is_main:
             s = self.state
             state = {"skipped": s.skipped, "consecutive_skips": s.consecutive_skips, "tokens": s.tokens,
-                     "position": s.position.to_dict(), "scheduler": self.scheduler.state_dict(),
+                     "position": self.loader.position.to_dict(), "scheduler": self.scheduler.state_dict(),
                      "scaler": self.scaler.state_dict(), "options": self.options.to_dict(), "world_size": self.env.world_size}
             path = save_checkpoint(self.checkpoint_root, s.step, model_state, optim_state, state, self.options.keep_checkpoints)
         barrier(self.env)
@@ -200,9 +199,8 @@ class Distiller:
         if meta["scaler"]:
             self.scaler.load_state_dict(meta["scaler"])
         pos = meta["position"]
-        self.state = LoopState(meta["step"], meta["skipped"], meta["consecutive_skips"], meta["tokens"],
-                               DataPosition(pos["epoch"], pos["cursor"]))
-        self.loader.position = self.state.position
+        self.state = LoopState(meta["step"], meta["skipped"], meta["consecutive_skips"], meta["tokens"])
+        self.loader.position = DataPosition(pos["epoch"], pos["cursor"])
         set_rng_state(meta["rng"], rng)
         return meta["step"]
 
