@@ -99,8 +99,10 @@ def example_cmd(
 
 
 from compiler.cli.distill import distill_cmd  # noqa: E402
+from compiler.cli.generate import generate_cmd  # noqa: E402
 
 app.command("distill")(distill_cmd)
+app.command("generate")(generate_cmd)
 
 
 def main() -> None:
