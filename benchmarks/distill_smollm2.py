@@ -1,6 +1,6 @@
 """Distillation figures on the built-in SmolLM2-135M (issue 8). Run from the repository root:
 
-    python benchmarks/distill_smollm2.py qat --steps 200            # INT4 (RTN g128, g64 fallback) QAT by KD
+    python benchmarks/distill_smollm2.py qat --steps 200            # AWQ INT4 g128-fallback student, QAT by KD
     python benchmarks/distill_smollm2.py half --steps 100           # half-depth student: KD vs CE-only
     python benchmarks/distill_smollm2.py memory --steps 4           # tokens/s and peak memory, with/without checkpointing
 
@@ -68,6 +68,21 @@ def int4_student(teacher, group_size: int = 128, fallback: int = 64):
     return student
 
 
+def awq_student(teacher, tokenizer, samples: int, seq_len: int):
+    """The AWQ pass (g128, group_size_policy "fallback": g64 where 128 does not divide K; lm_head float)."""
+    import passes  # noqa: F401  (registers awq)
+    from calib import CalibrationConfig
+    from compiler.pipeline import PassContext, Pipeline, PipelineConfig
+
+    config = PipelineConfig.from_dict({"calibration": {"samples": samples, "seq_len": seq_len},
+                                       "passes": [{"name": "awq", "group_size": 128, "group_size_policy": "fallback"}]})
+    student = copy.deepcopy(teacher)
+    pipeline = Pipeline(config)
+    pipeline.validate(student.config)
+    pipeline.run(student, PassContext(tokenizer=tokenizer, calibration=config.calibration))
+    return student
+
+
 def _options(args, out: Path, **kw) -> DistillOptions:
     return DistillOptions(steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=kw.pop("lr", args.lr),
                           eval_windows=args.eval_windows, eval_len=args.eval_len, heldout=[args.second],
@@ -75,9 +90,13 @@ def _options(args, out: Path, **kw) -> DistillOptions:
 
 
 def run_qat(args, teacher, tokenizer) -> dict:
-    student = int4_student(teacher)
+    if args.student == "awq":
+        student = awq_student(teacher, tokenizer, args.awq_samples, args.awq_seq_len)
+        label = f"AWQ INT4 g128 fallback (calibration {args.awq_samples} x {args.awq_seq_len} pydoc-pool tokens)"
+    else:
+        student, label = int4_student(teacher), "RTN INT4 g128 (g64 fallback)"
     outcome = run_distillation(teacher, student, tokenizer, _options(args, args.out / "qat"))
-    return {"student": "RTN INT4 g128 (g64 fallback), lm_head float; embeddings frozen", **outcome.metrics}
+    return {"student": f"{label}, lm_head float; embeddings frozen", **outcome.metrics}
 
 
 def run_half(args, teacher, tokenizer) -> dict:
@@ -140,6 +159,9 @@ def main() -> None:
     p.add_argument("--eval-windows", type=int, default=8)
     p.add_argument("--eval-len", type=int, default=512)
     p.add_argument("--ckpt", action="store_true")
+    p.add_argument("--student", choices=("awq", "rtn"), default="awq", help="qat: the INT4 student to start from")
+    p.add_argument("--awq-samples", type=int, default=32)
+    p.add_argument("--awq-seq-len", type=int, default=256)
     p.add_argument("--out", type=Path, default=Path("out/bench-distill"))
     args = p.parse_args()
     torch.manual_seed(0)
