@@ -49,11 +49,12 @@ def test_qat_from_an_int4_artifact_recovers_and_stays_int4(teacher_dir, tmp_path
 
 
 @pytest.mark.integration
-def test_two_process_gloo_ddp_equals_one_process(teacher_dir, tmp_path):
+@pytest.mark.parametrize("shard", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_two_process_gloo_ddp_equals_one_process(teacher_dir, tmp_path, shard):
     args = ["distill", "--teacher", teacher_dir, "--student", "keep_layers:1", "--steps", 3, "--grad-accum", 2, *FAST]
     single = qcompile(*args, "-o", tmp_path / "single")
     assert single.returncode == 0, single.stderr
-    ddp = qcompile(*args, "-o", tmp_path / "ddp",
+    ddp = qcompile(*args, *shard, "-o", tmp_path / "ddp",
                    launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"))
     assert ddp.returncode == 0, ddp.stderr[-2000:]
     a = load_artifact(tmp_path / "single" / "student").model.state_dict()

@@ -15,7 +15,7 @@ from passes.distill.config import DistillOptions
 from passes.distill.data import corpus_tokens, heldout_windows, pack_sequences
 from passes.distill.evaluate import compare_on_windows
 from passes.distill.students import make_qat_student, repack_int4
-from passes.distill.trainer import Distiller, TrainResult, set_gradient_checkpointing
+from passes.distill.trainer import Distiller, TrainResult, set_gradient_checkpointing, unshard_student
 
 
 @dataclass
@@ -47,7 +47,9 @@ def run_distillation(teacher: Transformer, student: Transformer, tokenizer, opti
     before = {name: compare_on_windows(teacher, student, w) for name, w in sets.items()}
     qat_layers = make_qat_student(student, options.learn_qparams)
     sequences = pack_sequences(corpus_tokens(tokenizer, options.corpus).pool, options.seq_len)
-    result = Distiller(teacher, student, sequences, options, output_dir, on_step).train(resume)
+    distiller = Distiller(teacher, student, sequences, options, output_dir, on_step)
+    result = distiller.train(resume)
+    unshard_student(distiller)
     set_gradient_checkpointing(student, False)
     repack_int4(student)
     student.eval()

@@ -10,6 +10,7 @@ the CPU ends bitwise equal to an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import time
@@ -21,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from compiler.model import Transformer
+from compiler.model import Transformer, rope_inv_freq
 from compiler.progress import make_progress
 from passes.distill.checkpoint import list_checkpoints, load_checkpoint_dir, save_checkpoint, set_rng_state
 from passes.distill.config import DistillOptions
@@ -150,6 +151,8 @@ class Distiller:
         if self.layer_map and student.config.dim != teacher.config.dim:
             projections = HiddenProjections(len(self.layer_map), student.config.dim, teacher.config.dim).to(self.device)
         self.module = StudentWithProjections(self.student, self.layer_map, projections)
+        # FSDP turns parameters into shards; keep a meta-device skeleton to rebuild a plain student after.
+        self._skeleton = copy.deepcopy(student).to("meta") if options.fsdp and self.env.distributed else None
         self.model = wrap_for_training(self.module, self.env, options.fsdp)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.params = params
@@ -300,6 +303,24 @@ class Distiller:
         done = (self.state.step - first_step) * o.batch_size * o.grad_accum * o.seq_len
         return TrainResult(self.state.step, self.state.skipped, self.state.tokens, wall, done / wall if wall else 0.0,
                            record, resumed_from)
+
+
+def unshard_student(distiller: "Distiller") -> Transformer:
+    """After FSDP training: gather the full weights into the student's own (unsharded) modules, in place."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    student = distiller.student
+    if distiller._skeleton is None:
+        return student
+    full = get_model_state_dict(distiller.model, options=StateDictOptions(full_state_dict=True))
+    plain = distiller._skeleton
+    plain.load_state_dict({k.removeprefix("student."): v for k, v in full.items() if k.startswith("student.")}, assign=True)
+    if plain.config.tie_embeddings:
+        plain.lm_head.weight = plain.embed_tokens.weight
+    for name, child in plain.named_children():
+        setattr(student, name, child)
+    student.inv_freq = rope_inv_freq(student.config).to(distiller.device)
+    return student
 
 
 class StepLogger:
