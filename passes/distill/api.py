@@ -13,7 +13,7 @@ import torch
 from compiler.model import Transformer
 from passes.distill.config import DistillOptions
 from passes.distill.data import corpus_tokens, heldout_windows, pack_sequences
-from passes.distill.evaluate import compare_on_windows
+from passes.distill.evaluate import compare_on_windows, teacher_logits
 from passes.distill.students import make_qat_student, repack_int4
 from passes.distill.trainer import Distiller, TrainResult, set_gradient_checkpointing, unshard_student
 
@@ -44,7 +44,8 @@ def run_distillation(teacher: Transformer, student: Transformer, tokenizer, opti
                      on_step: Callable[[int, dict], None] | None = None) -> DistillOutcome:
     """Distill ``teacher`` into ``student`` (modified in place; INT4 students come back re-packed as INT4)."""
     sets = heldout_sets(tokenizer, options)
-    before = {name: compare_on_windows(teacher, student, w) for name, w in sets.items()}
+    reference = {name: teacher_logits(teacher, w) for name, w in sets.items()}
+    before = {name: compare_on_windows(teacher, student, w, reference=reference[name]) for name, w in sets.items()}
     qat_layers = make_qat_student(student, options.learn_qparams)
     sequences = pack_sequences(corpus_tokens(tokenizer, options.corpus).pool, options.seq_len)
     distiller = Distiller(teacher, student, sequences, options, output_dir, on_step)
@@ -53,7 +54,7 @@ def run_distillation(teacher: Transformer, student: Transformer, tokenizer, opti
     set_gradient_checkpointing(student, False)
     repack_int4(student)
     student.eval()
-    after = {name: compare_on_windows(teacher, student, w) for name, w in sets.items()}
+    after = {name: compare_on_windows(teacher, student, w, reference=reference[name]) for name, w in sets.items()}
     metrics = _summary(before, after, options.corpus)
     metrics.update({"steps": result.steps, "skipped_steps": result.skipped, "tokens_trained": result.tokens,
                     "train_s": round(result.wall_s, 2), "tokens_per_s": result.tokens_per_s, "qat_layers": qat_layers,

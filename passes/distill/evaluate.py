@@ -10,12 +10,21 @@ from passes.distill.loss import kl_per_token
 
 
 @torch.no_grad()
-def compare_on_windows(teacher, student, windows: torch.Tensor, batch_size: int = 4) -> dict:
+def teacher_logits(teacher, windows: torch.Tensor, batch_size: int = 4) -> list[torch.Tensor]:
+    """The teacher's logits per batch of ``windows``, computed once and reused before and after training."""
+    device = next(teacher.parameters()).device
+    return [teacher(windows[i:i + batch_size].to(device)).float() for i in range(0, len(windows), batch_size)]
+
+
+@torch.no_grad()
+def compare_on_windows(teacher, student, windows: torch.Tensor, batch_size: int = 4,
+                       reference: list[torch.Tensor] | None = None) -> dict:
     """Mean per-token KL(teacher ‖ student) at T=1, top-1 agreement and both perplexities on ``windows`` [N, T].
 
     KL and agreement count every position; perplexities predict tokens 1..T-1 (the calib protocol).
-    A non-finite result is an error, never a number.
+    A non-finite result is an error, never a number. ``reference``: the teacher's logits from ``teacher_logits``.
     """
+    reference = reference if reference is not None else teacher_logits(teacher, windows, batch_size)
     was_training = student.training
     student.eval()
     device = next(student.parameters()).device
@@ -23,9 +32,9 @@ def compare_on_windows(teacher, student, windows: torch.Tensor, batch_size: int 
     nll_t = nll_s = 0.0
     predicted = 0
     try:
-        for start in range(0, len(windows), batch_size):
+        for i, start in enumerate(range(0, len(windows), batch_size)):
             batch = windows[start:start + batch_size].to(device)
-            t, s = teacher(batch).float(), student(batch).float()
+            t, s = reference[i], student(batch).float()
             kl_sum += kl_per_token(t, s).sum().item()
             agree += (t.argmax(-1) == s.argmax(-1)).sum().item()
             positions += batch.numel()

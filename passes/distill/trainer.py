@@ -154,9 +154,8 @@ class Distiller:
         # FSDP turns parameters into shards; keep a meta-device skeleton to rebuild a plain student after.
         self._skeleton = copy.deepcopy(student).to("meta") if options.fsdp and self.env.distributed else None
         self.model = wrap_for_training(self.module, self.env, options.fsdp)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.params = params
-        self.optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=options.weight_decay)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=options.lr, weight_decay=options.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, WarmupCosine(options.warmup_steps, options.steps, options.min_lr_ratio))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.autocast_dtype == torch.float16)
