@@ -98,9 +98,11 @@ def example_cmd(
     run_example(out, output, windows)
 
 
+from compiler.cli.distill import distill_cmd  # noqa: E402
 from compiler.cli.generate import generate_cmd  # noqa: E402
 from compiler.cli.lower import lower_cmd  # noqa: E402
 
+app.command("distill")(distill_cmd)
 app.command("generate")(generate_cmd)
 app.command("lower")(lower_cmd)
 
