@@ -1,0 +1,1 @@
+"""Triton Inference Server target: lowering (``lower.py``), the served model (``model.py``), the server (``runtime.py``)."""
