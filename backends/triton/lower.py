@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from compiler.artifact import atomic_directory_write, read_manifest
-from compiler.errors import ConfigError
 from compiler.targets import check_formats
 
 MODEL_SOURCE = Path(__file__).with_name("model.py")
@@ -57,11 +56,11 @@ class LowerOptions:
 
     def __post_init__(self):
         if self.device not in DEVICES:
-            raise ConfigError(f"unknown device {self.device!r} for target triton; use one of {', '.join(DEVICES)}")
+            raise ValueError(f"unknown device {self.device!r}; use one of {', '.join(DEVICES)}")
         if self.name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
-            raise ConfigError(f"model name {self.name!r}: use letters, digits, '_', '-', '.'")
+            raise ValueError(f"model name {self.name!r}: use letters, digits, '_', '-', '.'")
         if self.instances < 1:
-            raise ConfigError(f"--instances must be >= 1, got {self.instances}")
+            raise ValueError(f"instances must be >= 1, got {self.instances}")
 
 
 def precision_and_kernels(manifest: dict, device: str) -> tuple[str, list[str]]:

@@ -98,6 +98,11 @@ def example_cmd(
     run_example(out, output, windows)
 
 
+from compiler.cli import deploy as _deploy  # noqa: E402
+
+_deploy.register(app, out, _load_plugins)
+
+
 def main() -> None:
     try:
         app()

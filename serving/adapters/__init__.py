@@ -1,0 +1,1 @@
+"""Serving adapters: one ``ServingAdapter`` per way of reaching a model (see ``serving.types``)."""
