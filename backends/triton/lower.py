@@ -52,7 +52,6 @@ class LowerOptions:
     name: str | None = None  # model name in the repository; default: the artifact folder's name
     instances: int = 1  # one engine per instance; the engine itself batches all requests
     max_tokens_limit: int | None = None  # default: the model's context length
-    engine_class: str = "serving:Engine"  # MODULE:CLASS with from_artifact() and generate_stream()
 
     def __post_init__(self):
         if self.device not in DEVICES:
@@ -90,7 +89,6 @@ def config_pbtxt(name: str, opts: LowerOptions, manifest: dict, artifact_param: 
         "precision": precision,
         "kernels": ",".join(kernels),
         "max_tokens_limit": str(opts.max_tokens_limit or max_ctx),
-        "engine_class": opts.engine_class,
     }
     inputs = ",\n".join(_tensor_block("input", n, t, d, o) for n, t, d, o in INPUTS)
     outputs = ",\n".join(_tensor_block("output", n, t, d, None) for n, t, d in OUTPUTS)

@@ -13,7 +13,6 @@ responses for that request only; a cancelled request stops its stream in the eng
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import os
 import sys
@@ -90,9 +89,12 @@ def _error(message: str, code=None) -> "pb_utils.InferenceResponse":
     return pb_utils.InferenceResponse(error=error)
 
 
-def _load_class(spec: str):
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
+def _send(sender, response, final: bool = True) -> None:
+    """Send one response; a client that went away makes send fail, which must not kill the stream task."""
+    try:
+        sender.send(response, flags=FINAL if final else 0)
+    except Exception as e:  # noqa: BLE001
+        pb_utils.Logger.log_warn(f"qcompile: could not send a response ({type(e).__name__}: {e})")
 
 
 class TritonPythonModel:
@@ -113,12 +115,13 @@ class TritonPythonModel:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="qcompile-engine", daemon=True)
         self.thread.start()
-        engine_class = _load_class(params.get("engine_class", "serving:Engine"))
-        self.engine = self._call(self._create(engine_class, str(artifact)))
+        self.engine = self._call(self._create(str(artifact), params.get("device", "cpu")))
 
-    async def _create(self, engine_class, artifact: str):
-        # Created on the loop's thread: the engine may bind its scheduler task to the running loop.
-        return engine_class.from_artifact(artifact)
+    async def _create(self, artifact: str, device: str):
+        # Created on the loop's thread: the engine is single-threaded and binds its step task to this loop.
+        from serving import Engine
+
+        return Engine.from_artifact(artifact, device=device)
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -129,7 +132,7 @@ class TritonPythonModel:
             try:
                 kwargs, stream = parse_request(request, self.max_tokens_limit)
             except (RequestError, ValueError, UnicodeDecodeError) as e:
-                sender.send(_error(str(e)), flags=FINAL)
+                _send(sender, _error(str(e)))
                 continue
             asyncio.run_coroutine_threadsafe(self._serve(request, sender, kwargs, stream), self.loop)
         return None
@@ -141,25 +144,25 @@ class TritonPythonModel:
             events = self.engine.generate_stream(**kwargs)
             async for event in events:
                 if request.is_cancelled():
-                    sender.send(_error("request cancelled", pb_utils.TritonError.CANCELLED), flags=FINAL)
+                    _send(sender, _error("request cancelled", pb_utils.TritonError.CANCELLED))
                     return
                 if stream:
                     final = event.finish_reason is not None
-                    sender.send(_response(event.text, list(event.token_ids), event.finish_reason), flags=FINAL if final else 0)
+                    _send(sender, _response(event.text, list(event.token_ids), event.finish_reason), final)
                     if final:
                         return
                 else:
                     texts.append(event.text)
                     token_ids.extend(event.token_ids)
                     if event.finish_reason is not None:
-                        sender.send(_response("".join(texts), token_ids, event.finish_reason), flags=FINAL)
+                        _send(sender, _response("".join(texts), token_ids, event.finish_reason))
                         return
-            sender.send(_error("the engine ended the stream without a finish reason"), flags=FINAL)
+            _send(sender, _error("the engine ended the stream without a finish reason"))
         except Exception as e:  # noqa: BLE001 -- any failure of one request is that request's error response
-            sender.send(_error(f"{type(e).__name__}: {e}"), flags=FINAL)
+            _send(sender, _error(f"{type(e).__name__}: {e}"))
         finally:
             if hasattr(events, "aclose"):
-                await events.aclose()  # cancels the sequence in the engine if it is still running
+                await events.aclose()  # aborts the sequence in the engine if it is still running
 
     def finalize(self) -> None:
         close = getattr(self.engine, "close", None) or getattr(self.engine, "shutdown", None)
@@ -169,3 +172,4 @@ class TritonPythonModel:
                 self._call(result)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+        pb_utils.Logger.log_info(f"qcompile: engine stopped (loop thread alive: {self.thread.is_alive()})")

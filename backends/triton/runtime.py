@@ -38,6 +38,7 @@ from compiler.errors import QCompileError
 SERVER_NUMPY = "numpy==1.26.4"  # the wheel's stub reads BYTES tensors correctly only under numpy 1.x
 PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+EXIT_TIMEOUT_S = 20  # Triton's own wait for in-flight requests on shutdown; we SIGKILL only after more
 
 
 class TritonServerError(QCompileError):
@@ -49,11 +50,11 @@ def runtime_home() -> Path:
 
 
 def _wheel_dir() -> Path | None:
-    try:
-        import pytriton
-    except ImportError:
-        return None
-    return Path(pytriton.__file__).resolve().parent
+    import importlib.util
+
+    # Located, not imported: installed with --no-deps, the wheel's Python side may not import.
+    spec = importlib.util.find_spec("pytriton")
+    return Path(spec.origin).resolve().parent if spec and spec.origin else None
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ def server_command(install: TritonInstall, opts: ServerOptions) -> list[str]:
             f"--http-address={opts.host}", f"--http-port={opts.http_port}",
             f"--grpc-address={opts.host}", f"--grpc-port={opts.grpc_port}",
             f"--metrics-address={opts.host}", f"--metrics-port={opts.metrics_port}",
-            "--allow-metrics=true", "--exit-on-error=true", "--strict-readiness=true",
+            "--allow-metrics=true", "--exit-on-error=true", "--strict-readiness=true", f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
             f"--log-verbose={opts.log_verbose}", *opts.extra_args]
 
 
@@ -205,8 +206,8 @@ class TritonServer:
         except OSError:
             return False
 
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM (Triton then unloads models and exits), SIGKILL if it hangs; returns the exit code."""
+    def stop(self, timeout_s: float = EXIT_TIMEOUT_S + 25) -> int | None:
+        """SIGINT (Triton then drains, unloads models and exits), SIGKILL if it hangs; returns the exit code."""
         if self.process is None or self.process.poll() is not None:
             return self.process.returncode if self.process else None
         self.process.send_signal(signal.SIGINT)

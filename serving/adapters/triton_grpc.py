@@ -38,11 +38,18 @@ class TritonGrpcAdapter:
     name = "triton-grpc"
 
     def __init__(self, url: str, model: str):
-        from tritonclient.grpc.aio import InferenceServerClient
-
         self.url, self.model = url, model
-        self.client = InferenceServerClient(url)
+        self._client = None
         self._ids = itertools.count()
+
+    @property
+    def client(self):
+        """The asyncio gRPC client, made on first use (it binds to the running event loop)."""
+        if self._client is None:
+            from tritonclient.grpc.aio import InferenceServerClient
+
+            self._client = InferenceServerClient(self.url)
+        return self._client
 
     async def generate(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[StreamEvent]:
         request = {"model_name": self.model, "inputs": _inputs(request_fields(prompt, params, stream=True)),
@@ -52,18 +59,27 @@ class TritonGrpcAdapter:
             yield request
 
         responses = self.client.stream_infer(inputs_iterator=one_request())
+        finished = False
         try:
             async for result, error in responses:
                 if error is not None:
+                    finished = True  # the error response is the request's last
                     raise TritonRequestError(error.message())
                 event = event_from_fields(result.as_numpy("text_output").tolist(), result.as_numpy("token_ids").tolist(),
                                           result.as_numpy("finish_reason").tolist())
+                finished = event.finish_reason is not None
                 yield event
-                if event.finish_reason is not None:
-                    return
-            raise TritonRequestError("the server closed the stream before the final response")
+                if finished:
+                    break
+            if not finished:
+                raise TritonRequestError("the server closed the stream before the final response")
+            async for _ in responses:  # the server closes the stream after the final response
+                pass
         finally:
-            responses.cancel()  # a client that stops early cancels the request on the server
+            if not finished:
+                responses.cancel()  # a client that stops early cancels the request on the server
 
     async def close(self) -> None:
-        await self.client.close()
+        if self._client is not None:
+            await self._client.close()
+            self._client = None

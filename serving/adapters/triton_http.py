@@ -15,12 +15,19 @@ class TritonHttpAdapter:
     name = "triton-http"
 
     def __init__(self, url: str, model: str, stream: bool = True):
-        import aiohttp
-
         self.base = f"http://{url}/v2/models/{model}"
         self.stream = stream
-        # No total timeout: a long generation is not an error; connecting is bounded.
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self._session = None
+
+    @property
+    def session(self):
+        """The aiohttp session, made on first use (it binds to the running event loop)."""
+        if self._session is None:
+            import aiohttp
+
+            # No total timeout: a long generation is not an error; connecting is bounded.
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        return self._session
 
     async def generate(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[StreamEvent]:
         body = request_fields(prompt, params, stream=self.stream)
@@ -45,7 +52,9 @@ class TritonHttpAdapter:
         raise TritonRequestError("the server ended the event stream before the final response")
 
     async def close(self) -> None:
-        await self.session.close()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
 
 def _event(payload: dict) -> StreamEvent:
