@@ -101,6 +101,9 @@ def example_cmd(
 from compiler.cli import deploy as _deploy  # noqa: E402
 
 _deploy.register(app, out, _load_plugins)
+from compiler.cli.generate import generate_cmd  # noqa: E402
+
+app.command("generate")(generate_cmd)
 
 
 def main() -> None:

@@ -1,1 +1,1 @@
-"""Serving adapters: one ``ServingAdapter`` per way of reaching a model (see ``serving.types``)."""
+"""Serving adapters: one ``serving.types.ServingAdapter`` per deployment target."""
