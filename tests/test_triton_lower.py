@@ -44,6 +44,7 @@ def test_cuda_lowering_asks_for_gpu_and_records_kernels(artifact, tmp_path):
     manifest = json.loads((artifact / "manifest.json").read_text())
     text = config_pbtxt("m", LowerOptions(device="cuda"), manifest, "artifact")
     assert "kind: KIND_GPU" in text and "paged_attention_decode" in text
+    assert "kind: KIND_MODEL" in config_pbtxt("m", LowerOptions(device="npu"), manifest, "artifact")
     manifest["modules"] = {"layers.0.mlp.up_proj": {"format": "int4", "group_size": 128}}
     precision, kernels = precision_and_kernels(manifest, "cuda")
     assert precision == "float32+int4" and "w4a16_int4_gemm" in kernels

@@ -22,7 +22,8 @@ from compiler.artifact import atomic_directory_write, read_manifest
 from compiler.targets import check_formats
 
 MODEL_SOURCE = Path(__file__).with_name("model.py")
-DEVICES = ("cpu", "cuda")
+# Triton instance kind per device: it has no NPU kind, so on Ascend the model places itself (KIND_MODEL).
+DEVICES = {"cpu": "KIND_CPU", "cuda": "KIND_GPU", "npu": "KIND_MODEL"}
 
 # (name, Triton type, dims, optional) in the order clients see them.
 INPUTS = [
@@ -48,7 +49,7 @@ CUDA_KERNELS = {"int4": "w4a16_int4_gemm", "fp8": "fp8_gemm"}
 
 @dataclass(frozen=True)
 class LowerOptions:
-    device: str = "cpu"  # cpu: KIND_CPU; cuda: KIND_GPU (H100)
+    device: str = "cpu"  # cpu: KIND_CPU; cuda: KIND_GPU (H100); npu: KIND_MODEL (Ascend, torch_npu)
     name: str | None = None  # model name in the repository; default: the artifact folder's name
     instances: int = 1  # one engine per instance; the engine itself batches all requests
     max_tokens_limit: int | None = None  # default: the model's context length
@@ -66,8 +67,8 @@ def precision_and_kernels(manifest: dict, device: str) -> tuple[str, list[str]]:
     """What the repository expects to run: the artifact's precision and, per device, the kernels."""
     formats = sorted({m["format"] for m in manifest.get("modules", {}).values()})
     precision = "+".join([manifest.get("dtype", "float32"), *formats])
-    if device == "cpu":
-        return precision, ["torch"]
+    if device != "cuda":
+        return precision, ["torch"]  # the engine's torch reference paths (torch_npu kernels on Ascend)
     kernels = [CUDA_KERNELS.get(f.split("_")[0], f"{f}_gemm") for f in formats]
     return precision, sorted(set(kernels)) + ["paged_attention_decode"]
 
@@ -92,7 +93,7 @@ def config_pbtxt(name: str, opts: LowerOptions, manifest: dict, artifact_param: 
     }
     inputs = ",\n".join(_tensor_block("input", n, t, d, o) for n, t, d, o in INPUTS)
     outputs = ",\n".join(_tensor_block("output", n, t, d, None) for n, t, d in OUTPUTS)
-    kind = "KIND_GPU" if opts.device == "cuda" else "KIND_CPU"
+    kind = DEVICES[opts.device]
     param_lines = "\n".join(f'parameters: {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items())
     return f"""# Written by 'qcompile lower --target triton'; the engine batches requests itself (max_batch_size 0).
 name: "{name}"

@@ -89,6 +89,17 @@ def _error(message: str, code=None) -> "pb_utils.InferenceResponse":
     return pb_utils.InferenceResponse(error=error)
 
 
+def _check_device(device: str, kernels: str) -> None:
+    """Fail the model load (not the first request) when the lowered-for device is missing."""
+    import torch
+
+    if device == "npu":
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "npu": hasattr(torch, "npu") and torch.npu.is_available()}
+    if not available.get(device, False):
+        raise pb_utils.TritonModelException(f"this repository was lowered for {device} (kernels: {kernels}) but no {device} device is visible")
+
+
 def _send(sender, response, final: bool = True) -> None:
     """Send one response; a client that went away makes send fail, which must not kill the stream task."""
     try:
@@ -106,11 +117,7 @@ class TritonPythonModel:
         artifact = Path(params["artifact"])
         if not artifact.is_absolute():
             artifact = Path(args["model_repository"]) / args["model_version"] / artifact
-        if params.get("device") == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise pb_utils.TritonModelException(f"this repository was lowered for CUDA ({params.get('kernels')}) but no GPU is visible")
+        _check_device(params.get("device", "cpu"), params.get("kernels", ""))
         self.max_tokens_limit = int(params["max_tokens_limit"])
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="qcompile-engine", daemon=True)

@@ -69,8 +69,17 @@ class TritonInstall:
 
 
 def find_install() -> TritonInstall:
-    """The system tritonserver if on PATH, else the prepared runtime of the nvidia-pytriton wheel."""
-    system = shutil.which("tritonserver")
+    """The system tritonserver if on PATH, else the prepared runtime of the nvidia-pytriton wheel.
+
+    ``QCOMPILE_TRITONSERVER=wheel`` forces the wheel's server: a system server's Python-backend stub
+    is built for the image's Python, which must then be the project's (3.11) with numpy 1.x.
+    """
+    choice = os.environ.get("QCOMPILE_TRITONSERVER", "auto")
+    if choice not in ("auto", "system", "wheel"):
+        raise TritonServerError(f"QCOMPILE_TRITONSERVER={choice!r}: use auto, system or wheel")
+    system = shutil.which("tritonserver") if choice != "wheel" else None
+    if choice == "system" and not system:
+        raise TritonServerError("QCOMPILE_TRITONSERVER=system but no tritonserver on PATH")
     if system:
         binary = Path(system).resolve()
         backend_dir = Path(os.environ.get("TRITON_BACKEND_DIR", binary.parents[1] / "backends"))

@@ -18,7 +18,7 @@ def register(app: typer.Typer, out, load_plugins) -> None:
         artifact: Path = typer.Argument(..., help="Artifact directory (from 'qcompile compile')."),
         target: str = typer.Option(..., "--target", "-t", help="Deployment target, e.g. triton."),
         output: Path = typer.Option(..., "-o", "--output", help="Folder to write (for triton: the model repository)."),
-        device: Optional[str] = typer.Option(None, help="triton: cpu (KIND_CPU) or cuda (KIND_GPU, H100 kernels)."),
+        device: Optional[str] = typer.Option(None, help="triton: cpu (KIND_CPU), cuda (KIND_GPU, H100 kernels) or npu (Ascend, torch_npu)."),
         name: Optional[str] = typer.Option(None, help="triton: model name in the repository (default: the artifact's folder name)."),
         instances: Optional[int] = typer.Option(None, help="triton: model instances (each holds one engine)."),
         force: bool = typer.Option(False, "--force", help="Replace an existing output folder."),
