@@ -105,13 +105,23 @@ def prepare_runtime(home: Path | None = None) -> Path:
     if not stub.exists():
         raise TritonServerError(f"nvidia-pytriton has no Python backend stub for Python {PY_VERSION}")
     python_dir.mkdir(parents=True, exist_ok=True)
-    for f in (wheel / "tritonserver" / "backends" / "python").iterdir():
+    for f in [*(wheel / "tritonserver" / "backends" / "python").iterdir(), stub]:
         if f.is_file():
-            shutil.copy2(f, python_dir / f.name)
-    shutil.copy2(stub, python_dir / stub.name)
+            _install_file(f, python_dir / f.name)
     if not (home / "venv" / "ready").exists():
         _build_server_venv(home / "venv")
     return home
+
+
+def _install_file(src: Path, dst: Path) -> None:
+    """Copy unless already identical; replace by rename, since a running server may hold ``dst`` open."""
+    import filecmp
+
+    if dst.exists() and filecmp.cmp(src, dst, shallow=False):
+        return
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
 
 
 def _build_server_venv(venv: Path) -> None:
