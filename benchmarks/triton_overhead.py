@@ -2,8 +2,8 @@
 HTTP generate_stream) against the in-process engine, same artifact, same workload, same run.
 
     qcompile compile smollm2 -c examples/float.toml -o out/smollm2-float
-    python benchmarks/triton_overhead.py out/smollm2-float --requests 16 --concurrency 4 \
-        --prompt-len 64 --output-len 32
+    python benchmarks/triton_overhead.py out/smollm2-float --requests 8 --concurrency 4 \
+        --prompt-len 64 --output-len 16
 
 Prompts are real text (token windows of the pydoc corpus), sent as token ids so every run has
 exactly ``--prompt-len`` prompt tokens; output length is enforced with ignore_eos. The in-process
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -98,20 +99,30 @@ def through_triton(artifact: Path, prompts, params, args) -> dict[str, dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("artifact", type=Path)
-    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--requests", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--workdir", default="out/bench-triton")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads, here and in the server (OMP_NUM_THREADS); 1 avoids spin-wait collapse on a shared CPU")
     p.add_argument("--json", type=Path, help="Also write the results here.")
     args = p.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the server's stub processes
+    import torch
+
+    torch.set_num_threads(args.threads)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     prompts = make_prompts(args.artifact, args.requests, args.prompt_len)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
 
+    console = Console(width=max(120, Console().width))
+    console.print("in-process engine …")
     rows = {"in-process (before)": in_process(args.artifact, prompts, params, args)}
+    console.print("Triton (start, gRPC, HTTP) …")
     rows.update(through_triton(args.artifact, prompts, params, args))
+    console.print("in-process engine again …")
     rows["in-process (after)"] = in_process(args.artifact, prompts, params, args)
     base = {k: statistics.mean([rows["in-process (before)"][k], rows["in-process (after)"][k]]) for k in ("ttft_p50_ms", "itl_p50_ms")}
 
@@ -122,7 +133,7 @@ def main() -> None:
     for name, r in rows.items():
         table.add_row(name, f"{r['ttft_mean_ms']:.1f}", f"{r['ttft_p50_ms']:.1f}", f"{r['itl_mean_ms']:.2f}", f"{r['itl_p50_ms']:.2f}",
                       f"{r['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}", f"{r['itl_p50_ms'] / base['itl_p50_ms']:.2f}")
-    Console().print(table)
+    console.print(table)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": rows}, indent=1))
 
