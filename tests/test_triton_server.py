@@ -65,7 +65,7 @@ def server(artifact):
         assert proc.poll() is None, f"qcompile serve exited early: {proc.stdout.read()}\n{log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, "server not ready in 240 s"
         time.sleep(0.5)
-    yield {"http": f"127.0.0.1:{ports['http']}", "grpc": f"127.0.0.1:{ports['grpc']}", "artifact": artifact}
+    yield {"http": f"127.0.0.1:{ports['http']}", "grpc": f"127.0.0.1:{ports['grpc']}", "artifact": artifact, "log": log}
     proc.send_signal(signal.SIGTERM)
     output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, output
@@ -218,7 +218,7 @@ def test_cancelled_stream_leaves_server_serving(server, expected):
     async def run():
         adapter = TritonGrpcAdapter(server["grpc"], MODEL)
         try:
-            stream = adapter.generate(PROMPTS[2], SamplingParams(max_tokens=100, ignore_eos=True))
+            stream = adapter.generate(PROMPTS[2], SamplingParams(max_tokens=100, ignore_eos=True))  # still running when the client leaves
             got = [await stream.__anext__(), await stream.__anext__()]
             await stream.aclose()  # cancels the gRPC call
             assert all(e.finish_reason is None for e in got)
@@ -227,3 +227,7 @@ def test_cancelled_stream_leaves_server_serving(server, expected):
             await adapter.close()
 
     _check_streams(asyncio.run(run()), expected)
+    deadline = time.monotonic() + 30  # the model notices at the cancelled request's next token
+    while "cancelled by the client; aborting it in the engine" not in server["log"].read_text():
+        assert time.monotonic() < deadline, "the model never saw the cancellation"
+        time.sleep(0.5)

@@ -151,6 +151,7 @@ class TritonPythonModel:
             events = self.engine.generate_stream(**kwargs)
             async for event in events:
                 if request.is_cancelled():
+                    pb_utils.Logger.log_info(f"qcompile: request {request.request_id()!r} cancelled by the client; aborting it in the engine")
                     _send(sender, _error("request cancelled", pb_utils.TritonError.CANCELLED))
                     return
                 if stream:
@@ -172,11 +173,11 @@ class TritonPythonModel:
                 await events.aclose()  # aborts the sequence in the engine if it is still running
 
     def finalize(self) -> None:
-        close = getattr(self.engine, "close", None) or getattr(self.engine, "shutdown", None)
-        if close is not None:
-            result = close()
-            if asyncio.iscoroutine(result):
-                self._call(result)
+        self._call(self._abort_all())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
         pb_utils.Logger.log_info(f"qcompile: engine stopped (loop thread alive: {self.thread.is_alive()})")
+
+    async def _abort_all(self) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
