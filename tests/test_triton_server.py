@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,7 +71,11 @@ def server(artifact):
     output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, output
     assert "tritonserver stopped (exit code 0)" in output, output
-    assert "successfully unloaded" in log.read_text()
+    text = log.read_text()
+    assert "successfully unloaded" in text
+    # Continuous batching: concurrent requests ran in the same engine steps.
+    peak = re.search(r"peak running sequences (\d+)", text)
+    assert peak and int(peak.group(1)) >= 2, "the engine never ran two sequences at once"
 
 
 def _ready(port: int) -> bool:

@@ -176,7 +176,9 @@ class TritonPythonModel:
         self._call(self._abort_all())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
-        pb_utils.Logger.log_info(f"qcompile: engine stopped (loop thread alive: {self.thread.is_alive()})")
+        stats = self.engine.scheduler.stats
+        pb_utils.Logger.log_info(f"qcompile: engine stopped; peak running sequences {stats.max_running}, "
+                                 f"preemptions {stats.num_preemptions} (loop thread alive: {self.thread.is_alive()})")
 
     async def _abort_all(self) -> None:
         for request_id in list(self.engine.requests):
