@@ -8,7 +8,7 @@ The wheel's Python backend looks for ``triton_python_backend_stub`` only beside
 ``libtriton_python.so``, and its stub crashes on BYTES inputs under numpy 2.x. So
 ``prepare_runtime`` builds, once per machine, a runtime folder::
 
-    ~/.cache/qcompile/triton-py3.11/          ($QCOMPILE_TRITON_HOME overrides)
+    ~/.cache/qcompile/triton-py3.11-<env>/    one per Python environment ($QCOMPILE_TRITON_HOME overrides)
       backends/python/libtriton_python.so    copied from the wheel
       backends/python/triton_python_backend_stub   the stub for the running Python
       venv/                                  a small venv for the server's stub processes:
@@ -46,7 +46,11 @@ class TritonServerError(QCompileError):
 
 
 def runtime_home() -> Path:
-    return Path(os.environ.get("QCOMPILE_TRITON_HOME", Path.home() / ".cache" / "qcompile" / f"triton-py{PY_VERSION}"))
+    """One runtime per Python environment: its server venv points at that environment's packages."""
+    import hashlib
+
+    env_id = hashlib.sha256(sys.prefix.encode()).hexdigest()[:8]
+    return Path(os.environ.get("QCOMPILE_TRITON_HOME", Path.home() / ".cache" / "qcompile" / f"triton-py{PY_VERSION}-{env_id}"))
 
 
 def _wheel_dir() -> Path | None:
