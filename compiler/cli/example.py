@@ -23,7 +23,7 @@ from compiler.pipeline import PipelineConfig
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLE_MODEL = "smollm2"
 # (label, pipeline file) in the order the table shows them; the first is the baseline.
-VARIANTS = [("float", "float.toml")]
+VARIANTS = [("float", "float.toml"), ("fp8", "fp8.toml")]
 PROMPT = "def fibonacci(n):"
 
 
