@@ -53,6 +53,9 @@ def run_example(console: Console, out_dir: Path, windows: int) -> list[dict]:
 
     run_onnx_stage(console, rows, out_dir, PROMPT)
     serve_demo(console, rows[0]["path"])
+    from compiler.cli.example_triton import run_triton_stage
+
+    run_triton_stage(console, Path(rows[0]["path"]), out_dir, PROMPT)
     return rows
 
 
