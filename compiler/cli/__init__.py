@@ -98,6 +98,11 @@ def example_cmd(
     run_example(out, output, windows)
 
 
+from compiler.cli.bench import app as _bench_app  # noqa: E402
+
+app.add_typer(_bench_app, name="bench")
+
+
 def main() -> None:
     try:
         app()
