@@ -1,6 +1,6 @@
 """Resolve a ``qcompile bench`` TARGET to the serving adapter that drives it.
 
-  ARTIFACT_DIR                       in-process engine (``serving.Engine.from_artifact``)
+  ARTIFACT_DIR                       in-process engine (``serving.adapters.engine.EngineAdapter``)
   triton-grpc://HOST:PORT/MODEL      Triton Inference Server over gRPC (streaming)
   triton-http://HOST:PORT/MODEL      Triton Inference Server over HTTP (generate_stream)
   ONNX_DIR (holds *.onnx)            ONNX Runtime
@@ -64,9 +64,7 @@ def _import(module: str, attr: str, what: str):
 def open_adapter(target: Target):
     """A ``ServingAdapter`` for ``target`` (started; the caller closes it)."""
     if target.kind == "engine":
-        engine_cls = _import("serving", "Engine", "in-process engine")
-        adapter_cls = _import("serving.adapters.engine", "EngineAdapter", "in-process engine")
-        return adapter_cls(engine_cls.from_artifact(target.path))
+        return _import("serving.adapters.engine", "EngineAdapter", "in-process engine").from_artifact(target.path)
     if target.kind == "triton-grpc":
         return _import("serving.adapters.triton", "TritonGrpcAdapter", "Triton gRPC")(target.url, target.model)
     if target.kind == "triton-http":
