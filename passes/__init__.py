@@ -1,0 +1,1 @@
+from passes import paged_kv  # noqa: F401
