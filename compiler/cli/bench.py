@@ -58,7 +58,7 @@ def load_points(concurrency: str | None, request_rate: str | None, num_requests:
     return [LoadConfig(concurrency=cap, request_rate=r, **common) for r in rates]
 
 
-async def _run(target_spec: str, adapter, requests, loads, repeat: int, slos: dict):
+async def _run(adapter, requests, loads, repeat: int, slos: dict):
     """Run the sweep with a progress bar; Ctrl-C sets ``stop`` so what finished is kept."""
     from compiler.progress import make_progress
     from serving.bench.suite import run_sweep
@@ -102,26 +102,35 @@ def run_cmd(
     plots: Optional[Path] = typer.Option(None, help="Write PNG plots into this directory."),
 ):
     """Benchmark TARGET (also spelled 'qcompile bench TARGET'): closed loop at --concurrency or open loop at --request-rate."""
-    from compiler.cli.bench_targets import artifact_dir, open_adapter, parse_target, target_tokenizer
-    from serving.bench.environment import environment
     from serving.bench.metrics import parse_slos
-    from serving.bench.suite import make_result
-    from serving.bench.workload import LengthDist, WorkloadConfig, build_requests
+    from serving.bench.workload import LengthDist, WorkloadConfig
 
     workload = WorkloadConfig(LengthDist.parse(prompt_len, "--prompt-len"), LengthDist.parse(output_len, "--output-len"),
                               corpus, prompts, shared_prefix, seed)
     loads = load_points(concurrency, request_rate, num_requests, duration, warmup, seed)
-    slos = parse_slos(goodput)
+    result = run_benchmark(target, workload, loads, repeat, parse_slos(goodput), tokenizer)
+    _write_outputs(result, output_json, output_csv, output_md, plots)
+
+
+def run_benchmark(target: str, workload, loads, repeat: int = 1, slos: dict | None = None, tokenizer: Path | None = None) -> dict:
+    """Resolve TARGET, build the workload, run the sweep; the result document (raises if nothing succeeded)."""
+    from compiler.cli.bench_targets import artifact_dir, open_adapter, parse_target, target_tokenizer
+    from serving.bench.environment import environment
+    from serving.bench.suite import make_result
+    from serving.bench.workload import build_requests
+
+    slos = slos or {}
     parsed = parse_target(target)
-    requests = build_requests(workload, target_tokenizer(parsed, tokenizer), max(num_requests, 64))
+    count = max([load.num_requests or 0 for load in loads] + [64])
+    requests = build_requests(workload, target_tokenizer(parsed, tokenizer), count)
     adapter = open_adapter(parsed)
-    runs, interrupted = asyncio.run(_run(target, adapter, requests, loads, repeat, slos))
+    runs, interrupted = asyncio.run(_run(adapter, requests, loads, repeat, slos))
     if not runs:
         raise BenchError("no request finished; nothing was measured")
     result = make_result(target, getattr(adapter, "name", type(adapter).__name__), environment(artifact_dir(parsed)),
                          {**workload.describe(), "repeat": repeat}, slos, runs, interrupted)
     _check_failures(result)
-    _write_outputs(result, output_json, output_csv, output_md, plots)
+    return result
 
 
 def _check_failures(result: dict) -> None:
