@@ -166,7 +166,7 @@ class Engine:
         width = max((len(t) for t in decode_tables), default=0)
         dev = self.device
         self.cache.set_batch(BatchMetadata(
-            slot_mapping=torch.tensor(slots, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             decode_token_idx=torch.tensor(decode_idx, dtype=torch.long, device=dev),
             decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long,
                                              device=dev).reshape(len(decode_tables), width),
@@ -174,7 +174,7 @@ class Engine:
             prefills=prefills,
         ))
         return (torch.tensor([ids], device=dev), torch.tensor([positions], device=dev),
-                torch.tensor(sample_idx, device=dev), sampled)
+                torch.tensor(sample_idx, dtype=torch.long, device=dev), sampled)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, sample_idx: torch.Tensor) -> torch.Tensor:
         """The model's forward on [1, T] with the paged cache, projecting only the rows that sample

@@ -73,11 +73,11 @@ class PagedKVCache:
         if spec.dtype == torch.float8_e4m3fn and not (self.k_scales and self.v_scales):
             raise ValueError("an FP8 KV cache needs per-layer k_scales and v_scales")
         self.sliding_window = sliding_window
-        if use_triton is None:
+        if use_triton is None and self.device.type == "cuda":
             from serving.triton_paged import triton_available
 
-            use_triton = self.device.type == "cuda" and triton_available()
-        self.use_triton = use_triton
+            use_triton = triton_available()
+        self.use_triton = bool(use_triton)
         self.meta: BatchMetadata | None = None
 
     def set_batch(self, meta: BatchMetadata) -> None:

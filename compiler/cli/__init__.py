@@ -102,6 +102,10 @@ from compiler.cli.bench import app as _bench_app  # noqa: E402
 
 app.add_typer(_bench_app, name="bench")
 
+from compiler.cli.generate import generate_cmd  # noqa: E402
+
+app.command("generate")(generate_cmd)
+
 
 def main() -> None:
     try:

@@ -1,0 +1,1 @@
+"""Serving adapters: one ``serving.types.ServingAdapter`` per deployment target."""
