@@ -158,7 +158,7 @@ def _write_outputs(result: dict, output_json, output_csv, output_md, plots) -> N
             out.print(f"wrote {path}")
 
 
-def print_result(result: dict) -> None:
+def print_result(result: dict, console: Console = out) -> None:
     """One table row per load point (ms unless stated)."""
     table = Table(title=f"{result['target']} ({result['adapter']})")
     for col in ("load", "ok/total", "len mismatch", "TTFT p50", "TTFT p99", "ITL p50", "TPOT mean", "latency p50",
@@ -174,7 +174,19 @@ def print_result(result: dict) -> None:
         if result["slos_ms"]:
             cells.append(f"{m['goodput']['mean']:.3f}")
         table.add_row(*cells)
-    out.print(table)
+    console.print(table)
+
+
+def bench_stage(console: Console, artifact: str) -> dict:
+    """The main job's latency stage: an artifact on the in-process engine at concurrency 1 and 4 (kept small)."""
+    from serving.bench.runner import LoadConfig
+    from serving.bench.workload import LengthDist, WorkloadConfig
+
+    console.print("latency ([bold]qcompile bench[/bold], in-process engine, 64-token prompts, 16 output tokens) …")
+    workload = WorkloadConfig(LengthDist("fixed", 64), LengthDist("fixed", 16))
+    result = run_benchmark(artifact, workload, [LoadConfig(concurrency=c, num_requests=8, warmup=1) for c in (1, 4)])
+    print_result(result, console)
+    return result
 
 
 @app.command("compare")

@@ -47,6 +47,9 @@ def run_example(console: Console, out_dir: Path, windows: int) -> list[dict]:
     _print_table(console, rows, windows)
     sample = _greedy_sample(load_artifact(rows[0]["path"]))
     console.print(f"greedy sample from the float artifact: {PROMPT!r} → {sample!r}")
+    from compiler.cli.bench import bench_stage
+
+    bench_stage(console, rows[0]["path"])
     return rows
 
 
