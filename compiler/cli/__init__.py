@@ -102,6 +102,10 @@ from compiler.cli.bench import app as _bench_app  # noqa: E402
 
 app.add_typer(_bench_app, name="bench")
 
+from compiler.cli import deploy as _deploy  # noqa: E402
+
+_deploy.register(app, out, _load_plugins)
+
 from compiler.cli.generate import generate_cmd  # noqa: E402
 
 app.command("generate")(generate_cmd)
