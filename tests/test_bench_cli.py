@@ -81,7 +81,7 @@ def fake_target(tmp_path, byte_tokenizer, monkeypatch):
     import compiler.cli.bench_targets as bench_targets
 
     doubles = []
-    monkeypatch.setattr(bench_targets, "open_adapter", lambda t: doubles.append(SleepingAdapter(0.002)) or doubles[-1])
+    monkeypatch.setattr(bench_targets, "open_adapter", lambda t, stream=True: doubles.append(SleepingAdapter(0.002)) or doubles[-1])
     return target, doubles
 
 
@@ -132,6 +132,7 @@ def test_bench_compare_flags_regression_and_exit_code(fake_target, tmp_path, mon
     (["bench", "triton-grpc://localhost/m"], "triton-grpc://HOST:PORT/MODEL"),
     (["bench", "/nonexistent-dir"], "neither a directory"),
     (["bench", "compare", "/nope.json", "/nope.json"], "not found"),
+    (["bench", "triton-grpc://localhost:1/m", "--no-stream"], "--no-stream applies to triton-http"),
 ])
 def test_bench_bad_input_is_one_line(monkeypatch, capsys, args, message):
     code, _, stderr = _cli(monkeypatch, capsys, *args)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -27,7 +28,7 @@ class _BenchGroup(TyperGroup):
 app = typer.Typer(cls=_BenchGroup, no_args_is_help=True, add_completion=False,
                   help="Latency benchmark of a serving target: TTFT, ITL, TPOT, latency, throughput. "
                        "Run it as 'qcompile bench TARGET [OPTIONS]' (options: 'qcompile bench run --help').")
-out = Console()
+out = Console(width=None if sys.stdout.isatty() else 160)  # tables stay readable when piped
 
 
 def _numbers(text: str | None, cast, what: str) -> list:
@@ -94,6 +95,7 @@ def run_cmd(
     shared_prefix: int = typer.Option(0, min=0, help="Tokens of a prefix shared by every prompt (prefix caching)."),
     corpus: str = typer.Option("pydoc", help="Corpus the synthetic prompts are cut from."),
     tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory (needed for server targets)."),
+    stream: bool = typer.Option(True, "--stream/--no-stream", help="triton-http: --no-stream uses /generate (one response; TTFT = latency)."),
     goodput: Optional[str] = typer.Option(None, help="SLOs in ms, e.g. time_to_first_token:200,request_latency:2000."),
     seed: int = typer.Option(0, help="Seed of the workload and the arrivals."),
     output_json: Optional[Path] = typer.Option(None, help="Write the result JSON here."),
@@ -108,27 +110,29 @@ def run_cmd(
     workload = WorkloadConfig(LengthDist.parse(prompt_len, "--prompt-len"), LengthDist.parse(output_len, "--output-len"),
                               corpus, prompts, shared_prefix, seed)
     loads = load_points(concurrency, request_rate, num_requests, duration, warmup, seed)
-    result = run_benchmark(target, workload, loads, repeat, parse_slos(goodput), tokenizer)
+    result = run_benchmark(target, workload, loads, repeat, parse_slos(goodput), tokenizer, stream)
     _write_outputs(result, output_json, output_csv, output_md, plots)
 
 
-def run_benchmark(target: str, workload, loads, repeat: int = 1, slos: dict | None = None, tokenizer: Path | None = None) -> dict:
+def run_benchmark(target: str, workload, loads, repeat: int = 1, slos: dict | None = None, tokenizer: Path | None = None,
+                  stream: bool = True) -> dict:
     """Resolve TARGET, build the workload, run the sweep; the result document (raises if nothing succeeded)."""
-    from compiler.cli.bench_targets import artifact_dir, open_adapter, parse_target, target_tokenizer
+    from compiler.cli.bench_targets import artifact_dir, check_stream, open_adapter, parse_target, target_tokenizer
     from serving.bench.environment import environment
     from serving.bench.suite import make_result
     from serving.bench.workload import build_requests
 
     slos = slos or {}
     parsed = parse_target(target)
+    check_stream(parsed, stream)
     count = max([load.num_requests or 0 for load in loads] + [64])
     requests = build_requests(workload, target_tokenizer(parsed, tokenizer), count)
-    adapter = open_adapter(parsed)
+    adapter = open_adapter(parsed, stream)
     runs, interrupted = asyncio.run(_run(adapter, requests, loads, repeat, slos))
     if not runs:
         raise BenchError("no request finished; nothing was measured")
     result = make_result(target, getattr(adapter, "name", type(adapter).__name__), environment(artifact_dir(parsed)),
-                         {**workload.describe(), "repeat": repeat}, slos, runs, interrupted)
+                         {**workload.describe(), "repeat": repeat, "stream": stream}, slos, runs, interrupted)
     _check_failures(result)
     return result
 
@@ -182,9 +186,9 @@ def bench_stage(console: Console, artifact: str) -> dict:
     from serving.bench.runner import LoadConfig
     from serving.bench.workload import LengthDist, WorkloadConfig
 
-    console.print("latency ([bold]qcompile bench[/bold], in-process engine, 64-token prompts, 16 output tokens) …")
-    workload = WorkloadConfig(LengthDist("fixed", 64), LengthDist("fixed", 16))
-    result = run_benchmark(artifact, workload, [LoadConfig(concurrency=c, num_requests=8, warmup=1) for c in (1, 4)])
+    console.print("latency ([bold]qcompile bench[/bold], in-process engine, 32-token prompts, 8 output tokens) …")
+    workload = WorkloadConfig(LengthDist("fixed", 32), LengthDist("fixed", 8))
+    result = run_benchmark(artifact, workload, [LoadConfig(concurrency=c, num_requests=4, warmup=1) for c in (1, 4)])
     print_result(result, console)
     return result
 

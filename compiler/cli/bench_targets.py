@@ -2,7 +2,7 @@
 
   ARTIFACT_DIR                       in-process engine (``serving.adapters.engine.EngineAdapter``)
   triton-grpc://HOST:PORT/MODEL      Triton Inference Server over gRPC (streaming)
-  triton-http://HOST:PORT/MODEL      Triton Inference Server over HTTP (generate_stream)
+  triton-http://HOST:PORT/MODEL      Triton Inference Server over HTTP (generate_stream, or generate with --no-stream)
   ONNX_DIR (holds *.onnx)            ONNX Runtime
   ASCEND_BUNDLE (holds *.om)         Ascend NPU bundle
 
@@ -53,6 +53,11 @@ def parse_target(spec: str) -> Target:
     raise BenchError(f"{spec} holds no manifest.json, *.onnx or *.om; give an artifact, an ONNX Runtime directory or an Ascend bundle")
 
 
+def check_stream(target: Target, stream: bool) -> None:
+    if not stream and target.kind != "triton-http":
+        raise BenchError("--no-stream applies to triton-http:// targets only (the others always stream)")
+
+
 def _import(module: str, attr: str, what: str):
     try:
         return getattr(importlib.import_module(module), attr)
@@ -61,14 +66,14 @@ def _import(module: str, attr: str, what: str):
                          "install or merge the serving adapter for it, or bench another target") from None
 
 
-def open_adapter(target: Target):
-    """A ``ServingAdapter`` for ``target`` (started; the caller closes it)."""
+def open_adapter(target: Target, stream: bool = True):
+    """A ``ServingAdapter`` for ``target`` (the caller closes it); ``stream=False``: HTTP's one-response ``/generate``."""
     if target.kind == "engine":
         return _import("serving.adapters.engine", "EngineAdapter", "in-process engine").from_artifact(target.path)
     if target.kind == "triton-grpc":
-        return _import("serving.adapters.triton", "TritonGrpcAdapter", "Triton gRPC")(target.url, target.model)
+        return _import("serving.adapters.triton_grpc", "TritonGrpcAdapter", "Triton gRPC")(target.url, target.model)
     if target.kind == "triton-http":
-        return _import("serving.adapters.triton", "TritonHttpAdapter", "Triton HTTP")(target.url, target.model)
+        return _import("serving.adapters.triton_http", "TritonHttpAdapter", "Triton HTTP")(target.url, target.model, stream)
     if target.kind == "onnx":
         return _import("serving.adapters.onnx", "OnnxRuntimeAdapter", "ONNX Runtime").from_dir(target.path)
     return _import("serving.adapters.ascend", "AscendAdapter", "Ascend").from_bundle(target.path)
