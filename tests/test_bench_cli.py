@@ -143,3 +143,26 @@ def test_open_loop_rejects_concurrency_list(fake_target, monkeypatch, capsys):
     target, _ = fake_target
     code, _, stderr = _cli(monkeypatch, capsys, "bench", str(target), "--request-rate", "5", "--concurrency", "1,2")
     assert code == 2 and "--concurrency is one number" in stderr
+
+
+def test_targets_are_classified_by_scheme_or_contents(tmp_path):
+    from compiler.cli.bench_targets import parse_target
+
+    grpc = parse_target("triton-grpc://127.0.0.1:8001/smol")
+    assert (grpc.kind, grpc.url, grpc.model) == ("triton-grpc", "127.0.0.1:8001", "smol")
+    assert parse_target("triton-http://localhost:8000/m").kind == "triton-http"
+    for name, marker, kind in (("art", "manifest.json", "engine"), ("onnx", "prefill.onnx", "onnx"),
+                               ("ascend", "build_om.sh", "ascend")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / marker).write_text("")
+        assert parse_target(str(tmp_path / name)).kind == kind
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BenchError, match="holds no manifest.json"):
+        parse_target(str(tmp_path / "empty"))
+
+
+def test_missing_adapter_is_a_clear_error(tmp_path):
+    from compiler.cli.bench_targets import _import
+
+    with pytest.raises(BenchError, match="adapter .*not available in this build"):
+        _import("serving.adapters.no_such_backend", "Adapter", "No-such")

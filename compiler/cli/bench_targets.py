@@ -3,8 +3,8 @@
   ARTIFACT_DIR                       in-process engine (``serving.adapters.engine.EngineAdapter``)
   triton-grpc://HOST:PORT/MODEL      Triton Inference Server over gRPC (streaming)
   triton-http://HOST:PORT/MODEL      Triton Inference Server over HTTP (generate_stream, or generate with --no-stream)
-  ONNX_DIR (holds *.onnx)            ONNX Runtime
-  ASCEND_BUNDLE (holds *.om)         Ascend NPU bundle
+  ONNX_DIR (holds *.onnx)            ONNX Runtime (``qcompile lower --target onnx``)
+  ASCEND_BUNDLE (om/, build_om.sh)   Ascend NPU bundle (``qcompile lower --target ascend``)
 
 Lives in the CLI layer because adapters come from several packages; each is imported only
 when its target is asked for, and one that is not available in this build is a clear error.
@@ -44,13 +44,13 @@ def parse_target(spec: str) -> Target:
     path = Path(spec)
     if not path.is_dir():
         raise BenchError(f"target {spec!r} is neither a directory nor a triton-grpc:// or triton-http:// address")
-    if any(path.glob("*.om")) or (path / "ascend.json").is_file():
+    if (path / "om").is_dir() or (path / "build_om.sh").is_file():  # qcompile lower --target ascend
         return Target("ascend", spec, path=path)
     if any(path.glob("*.onnx")):
         return Target("onnx", spec, path=path)
     if (path / "manifest.json").is_file():
         return Target("engine", spec, path=path)
-    raise BenchError(f"{spec} holds no manifest.json, *.onnx or *.om; give an artifact, an ONNX Runtime directory or an Ascend bundle")
+    raise BenchError(f"{spec} holds no manifest.json, *.onnx or om/; give an artifact, an ONNX Runtime bundle or an Ascend bundle")
 
 
 def check_stream(target: Target, stream: bool) -> None:
