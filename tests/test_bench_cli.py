@@ -166,3 +166,36 @@ def test_missing_adapter_is_a_clear_error(tmp_path):
 
     with pytest.raises(BenchError, match="adapter .*not available in this build"):
         _import("serving.adapters.no_such_backend", "Adapter", "No-such")
+
+
+def test_ctrl_c_stops_cleanly_and_writes_what_was_measured(fake_target, tmp_path):
+    """A real SIGINT to a real ``qcompile bench`` process (adapter swapped for a test double in that process)."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    target, _ = fake_target
+    out = tmp_path / "partial.json"
+    tests_dir = Path(__file__).resolve().parent
+    script = ("import sys; sys.path.insert(0, %r)\n"
+              "import compiler.cli.bench_targets as t; from bench_doubles import SleepingAdapter\n"
+              "t.open_adapter = lambda target, stream=True: (open(%r, 'w').close(), SleepingAdapter(0.05))[1]\n"
+              "from compiler.cli import main; main()" % (str(tests_dir), str(tmp_path / "started")))
+    env = {**os.environ, "PYTHONPATH": f"{tests_dir.parent}:{os.environ.get('PYTHONPATH', '')}", "QCOMPILE_PROGRESS": "0"}
+    proc = subprocess.Popen([sys.executable, "-c", script, "bench", str(target), "--num-requests", "1000", "--warmup", "0",
+                             "--prompt-len", "8", "--output-len", "4", "--concurrency", "2", "--output-json", str(out)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "started").exists():  # imports and the workload take a while on a busy machine
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    time.sleep(2)  # requests of ~0.2 s each
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert "interrupted" in stdout and "Traceback" not in stderr
+    result = json.loads(out.read_text())
+    counts = result["runs"][0]["metrics"]["counts"]
+    assert result["interrupted"] and 0 < counts["successful"] < 1000 and counts["failed"] == 0
