@@ -1,1 +1,4 @@
-from passes import paged_kv  # noqa: F401
+"""Built-in passes; each registers itself with ``compiler.pipeline.register_pass`` on import."""
+import passes.awq  # noqa: F401
+import passes.fp8  # noqa: F401
+import passes.paged_kv  # noqa: F401

@@ -23,7 +23,7 @@ from compiler.pipeline import PipelineConfig
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLE_MODEL = "smollm2"
 # (label, pipeline file) in the order the table shows them; the first is the baseline.
-VARIANTS = [("float", "float.toml")]
+VARIANTS = [("float", "float.toml"), ("fp8", "fp8.toml")]
 PROMPT = "def fibonacci(n):"
 
 
@@ -47,6 +47,9 @@ def run_example(console: Console, out_dir: Path, windows: int) -> list[dict]:
     _print_table(console, rows, windows)
     sample = _greedy_sample(load_artifact(rows[0]["path"]))
     console.print(f"greedy sample from the float artifact: {PROMPT!r} → {sample!r}")
+    from compiler.cli.serve_demo import serve_demo
+
+    serve_demo(console, rows[0]["path"])
     from compiler.cli.bench import bench_stage
 
     bench_stage(console, rows[0]["path"])
