@@ -9,6 +9,8 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from serving.bench.errors import BenchError
 from serving.bench.metrics import LATENCY_METRICS
 from serving.bench.suite import SCHEMA, SCHEMA_VERSION
@@ -128,8 +130,11 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
     for key, name, fname in (("ttft", "time to first token", "ttft_distribution.png"),
                              ("itl", "inter-token latency", "itl_distribution.png")):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for r in runs:
-            ax.hist(_samples(r, key), bins=40, alpha=0.5, label=r["label"])
+        samples = [_samples(r, key) for r in runs]
+        pooled = [x for s in samples for x in s]
+        bins = np.histogram_bin_edges(pooled, bins=40) if pooled else 40  # one set of bins so the runs compare
+        for r, values in zip(runs, samples):
+            ax.hist(values, bins=bins, alpha=0.5, label=r["label"])
         ax.set(xlabel="ms", ylabel="count", title=name)
         ax.legend(fontsize=7)
         paths.append(_save(fig, out_dir / fname))
