@@ -100,9 +100,9 @@ async def send_request(adapter: ServingAdapter, request: BenchRequest) -> Reques
                 record.chunk_tokens.append(len(event.token_ids))
             if event.finish_reason is not None:
                 record.finish_reason = event.finish_reason
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # the target's failure is data (counted and shown), not a crash of the benchmark
+    except Exception as e:
+        # A failure of the target is data (counted and shown), not a crash of the benchmark;
+        # CancelledError is no Exception, so a stop still propagates.
         record.error = f"{type(e).__name__}: {e}"
     if record.output_tokens == 0 and record.error is None:
         record.error = "the stream ended without any token"
