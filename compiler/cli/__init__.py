@@ -99,6 +99,7 @@ def example_cmd(
 
 
 # Commands with their own modules (imported here so `qcompile --help` lists them).
+from compiler.cli.bench import app as _bench_app  # noqa: E402
 from compiler.cli.distill import distill_cmd  # noqa: E402
 from compiler.cli.generate import generate_cmd  # noqa: E402
 from compiler.cli.lower import lower_cmd  # noqa: E402
@@ -108,6 +109,7 @@ app.command("distill")(distill_cmd)
 app.command("generate")(generate_cmd)
 app.command("lower")(lower_cmd)
 app.command("serve")(serve_cmd)
+app.add_typer(_bench_app, name="bench")
 
 
 def main() -> None:
