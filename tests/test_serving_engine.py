@@ -329,3 +329,10 @@ def test_a_failing_step_fails_every_stream_loudly(tiny_model):
     with pytest.raises(RuntimeError, match="device lost"):
         asyncio.run(consume())
     assert not engine.has_unfinished() and engine.kv.num_free_blocks == 32
+
+
+def test_bad_plan_overrides_are_config_errors(tiny_model):
+    from compiler.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="block_size"):
+        Engine.from_loaded(tiny_model(), "cpu", block_size=0)

@@ -134,3 +134,18 @@ def test_paged_cache_attend_mixes_decode_and_prefill():
     want_a = sdpa(q[:, :, :3], ka.transpose(0, 1)[None], va.transpose(0, 1)[None], None, causal=True)
     want_b = sdpa(q[:, :, 3:], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None], None)
     assert rel_err(out[:, :, :3], want_a) < 1e-5 and rel_err(out[:, :, 3:], want_b) < 1e-5
+
+
+def test_engine_decodes_through_the_triton_kernel(triton_kernel, tiny_checkpoint):
+    """The engine's CUDA path (decode via the kernel), run by the interpreter: same greedy tokens."""
+    from compiler.checkpoint import load_checkpoint
+    from serving.engine import Engine
+
+    path, _ = tiny_checkpoint("qwen2")
+    loaded = load_checkpoint(path)
+    engine = Engine.from_loaded(loaded, "cpu", block_size=4, num_blocks=32)
+    engine.cache.use_triton = True
+    prompts = [[5, 9, 14], [7, 8, 9, 10, 11, 12, 13]]
+    got = [engine.generate(prompt_token_ids=p, max_tokens=6, ignore_eos=True).token_ids for p in prompts]
+    want = [loaded.model.generate(torch.tensor([p]), 6)[0, len(p):].tolist() for p in prompts]
+    assert got == want
