@@ -28,6 +28,7 @@ import compiler.formats  # noqa: F401  (registers the built-in weight formats)
 from compiler.checkpoint import LoadedModel, SourceInfo, load_tokenizer, sha256_files
 from compiler.config import ModelConfig
 from compiler.errors import ArtifactError
+from compiler.fp8_kv import install_kv_quant
 from compiler.model import Transformer, rope_inv_freq
 from compiler.qlinear import format_class, quantized_modules
 
@@ -176,6 +177,8 @@ def build_from_manifest(manifest: dict, state: dict[str, torch.Tensor]) -> Trans
     if config.tie_embeddings and "lm_head.weight" in manifest.get("aliases", {}):
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config)
+    if manifest.get("kv_cache"):
+        install_kv_quant(model, manifest["kv_cache"])
     return model.eval()
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from compiler.kernels.w4a16 import triton_available, w4a16_matmul
 from compiler.qlinear import QuantizedLinear, register_format
 
 QMAX = 15
@@ -173,8 +174,11 @@ class Int4Linear(QuantizedLinear):
         return dequantize(q, self.scales, zero, self.group_size)[:, : self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Reference path: unpack -> dequantize -> matmul. GPU kernels plug in here.
-        return F.linear(x, self.dequantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if x.is_cuda and triton_available():
+            return w4a16_matmul(x, self.qweight, self.scales, self.qzeros, self.in_features, self.group_size, bias)
+        # Reference path: unpack -> dequantize -> matmul.
+        return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, zero_point={self.zero_point}"

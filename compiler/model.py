@@ -63,6 +63,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, config.n_kv_heads * hd, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d, config.n_kv_heads * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.n_heads * hd, d, bias=config.o_bias)
+        # Optional (k, v) -> (k, v) rounding of an FP8 KV cache (compiler.fp8_kv): applied here,
+        # before any cache, so cache-less evaluation sees the K/V a quantized cache would hold.
+        self.kv_quant: nn.Module | None = None
 
     def forward(self, x, cos, sin, positions, cache: KVCache | None):
         B, T, _ = x.shape  # [B, T, dim]
@@ -71,6 +74,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, -1, hd).transpose(1, 2)  # [B, Hkv, T, D]
         v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_quant is not None:
+            k, v = self.kv_quant(k, v)
         if cache is not None:
             out = cache.attend(self.layer_idx, q, k, v, positions)
         elif self.config.sliding_window is not None and T > self.config.sliding_window:

@@ -38,9 +38,11 @@ def test_lower_errors_are_one_line(tmp_path, monkeypatch, capsys, args, match):
 
 
 def test_register_lowering_adds_a_target(monkeypatch, capsys, tmp_path):
-    from compiler.cli import lower
+    from compiler import lowering
 
     calls = []
-    monkeypatch.setitem(lower.LOWERINGS, "fake", lambda req, console: calls.append(req))
+    monkeypatch.setitem(lowering.LOWERINGS, "fake", lambda *args: calls.append(args) or args[1])
     code, _ = run_cli(monkeypatch, capsys, "lower", tmp_path, "--target", "fake", "-o", tmp_path / "x")
-    assert code == 0 and calls[0].output == tmp_path / "x"
+    assert code == 0 and calls[0] == (tmp_path, tmp_path / "x", {}, False)
+    code, out = run_cli(monkeypatch, capsys, "lower", tmp_path, "--target", "onnx", "--soc", "Ascend910B3", "-o", tmp_path / "y")
+    assert code == 2 and "--target onnx: unknown option 'soc'" in out

@@ -30,6 +30,9 @@ def print_reports(console: Console, reports: list[dict]) -> None:
         metrics = ", ".join(f"{k}={_fmt(v)}" for k, v in r["metrics"].items())
         table.add_row(r["name"], f"{r['wall_time_s']:.1f}", metrics)
     console.print(table)
+    for r in reports:  # decisions worth reading (e.g. layers kept in float), not only numbers
+        for note in r.get("notes", []):
+            console.print(f"{r['name']}: {note}")
 
 
 def artifact_summary(path: str | Path) -> dict:
@@ -56,7 +59,8 @@ def artifact_summary(path: str | Path) -> dict:
     return {
         "path": str(path),
         "source": manifest["source"],
-        "passes": [{"name": r["name"], "wall_time_s": r["wall_time_s"], "metrics": r["metrics"]} for r in manifest["passes"]],
+        "passes": [{"name": r["name"], "wall_time_s": r["wall_time_s"], "metrics": r["metrics"], "notes": r.get("notes", [])}
+                   for r in manifest["passes"]],
         "formats": dict(Counter(layer["format"] for layer in layers)),
         "layers": layers,
         "size": {"weights_bytes": weights_bytes,

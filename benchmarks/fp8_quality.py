@@ -1,0 +1,91 @@
+"""Perplexity of FP8 variants of SmolLM2-135M against float, by the shared pydoc protocol.
+
+Each variant is compiled from the same loaded checkpoint, written as an artifact, reloaded
+(so the figure is the artifact's, FP8 KV rounding included) and evaluated on the first
+``--windows`` evaluation windows. Prints a table with the change against the float baseline
+measured in the same run.
+
+    python benchmarks/fp8_quality.py --windows 16 --samples 16
+    python benchmarks/fp8_quality.py --only w8a8-dynamic kv-e4m3   # a subset
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+import passes  # noqa: F401  (registers the fp8 pass)
+from compiler.artifact import load_artifact
+from compiler.checkpoint import load_checkpoint
+from compiler.cli.report import artifact_summary
+from compiler.compile import compile_loaded
+from compiler.evaluate import evaluate_perplexity
+from compiler.pipeline import PipelineConfig
+
+E5M2 = {"weight_dtype": "float8_e5m2", "activation_dtype": "float8_e5m2"}
+# label -> fp8 pass options (None: the float baseline, no passes)
+VARIANTS = {  # the issue's four figures first, then the other options
+    "float": None,
+    "w8a8-dynamic": {},
+    "w8a8-static-absmax": {"activation_scheme": "static"},
+    "kv-e4m3-per-head": {"convert_linears": False, "kv_cache_dtype": "float8_e4m3fn"},
+    "e5m2-w8a8-dynamic": E5M2,
+    "w8a8-static-pct99.9": {"activation_scheme": "static", "static_calibration": "percentile"},
+    "w8a8-per-tensor-static": {"activation_scheme": "static", "granularity": "per_tensor"},
+    "w8a8-dynamic+kv": {"kv_cache_dtype": "float8_e4m3fn"},
+    "kv-e4m3-per-tensor": {"convert_linears": False, "kv_cache_dtype": "float8_e4m3fn", "kv_cache_granularity": "per_tensor"},
+    "kv-e5m2-per-head": {"convert_linears": False, "kv_cache_dtype": "float8_e5m2"},
+    "w8-only": {"activation_scheme": "none"},
+}
+
+
+def variant_config(options: dict | None, samples: int) -> PipelineConfig:
+    d = {"calibration": {"corpus": "pydoc", "samples": samples, "seq_len": 512, "seed": 0}}
+    d["passes"] = [] if options is None else [{"name": "fp8", **options}]
+    return PipelineConfig.from_dict(d)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--samples", type=int, default=16, help="calibration windows of 512 tokens")
+    ap.add_argument("--only", nargs="*", choices=list(VARIANTS), help="variants besides float")
+    args = ap.parse_args()
+    console = Console()
+    source = load_checkpoint("smollm2")
+    labels = ["float"] + [v for v in (args.only or VARIANTS) if v != "float"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for label in labels:
+            start = time.perf_counter()
+            variant = copy.copy(source)
+            variant.model = copy.deepcopy(source.model)
+            result = compile_loaded(variant, variant_config(VARIANTS[label], args.samples), Path(tmp) / label)
+            compile_s = time.perf_counter() - start
+            ppl = evaluate_perplexity(load_artifact(result.path), "pydoc", args.windows)["ppl"]
+            summary = artifact_summary(result.path)
+            fp8 = [layer for layer in summary["layers"] if layer["format"] == "fp8"]
+            metrics = result.reports[0].metrics if result.reports else {}
+            rows.append({"variant": label, "ppl": ppl, "mib": summary["size"]["weights_bytes"] / 2**20,
+                         "fp8_layers": len(fp8), "fallback": metrics.get("fallback", 0),
+                         "fp8_bits": sum(layer["bits_per_weight"] for layer in fp8) / len(fp8) if fp8 else None,
+                         "compile_s": compile_s})
+            console.print(f"{label}: ppl {ppl:.4f}")
+    table = Table(title=f"SmolLM2-135M, pydoc, {args.windows} windows × 512 tokens, calibration {args.samples} × 512")
+    for col in ("variant", "perplexity", "Δ vs float", "fp8 layers", "fallback", "bits/weight (fp8 layers)", "weights MiB", "compile s"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    base = rows[0]["ppl"]
+    for r in rows:
+        table.add_row(r["variant"], f"{r['ppl']:.3f}", f"{100 * (r['ppl'] / base - 1):+.2f}%", str(r["fp8_layers"]),
+                      str(r["fallback"]), f"{r['fp8_bits']:.2f}" if r["fp8_bits"] else "-", f"{r['mib']:.1f}",
+                      f"{r['compile_s']:.0f}")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

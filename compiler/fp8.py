@@ -1,0 +1,157 @@
+"""FP8 (E4M3 / E5M2) quantization primitives and the ``fp8`` weight format.
+
+Primitives (choose a scale, quantize, dequantize) are kept apart from the module that stores
+the result, as in torchao. Every cast saturates: values beyond the format's largest finite
+number are clamped to it first, so overflow never produces NaN or Inf (torch's own cast to
+E5M2 overflows to Inf, and E4M3FN has no Inf at all).
+
+The ``fp8`` format (``Fp8Linear``), buffers stored in the artifact under the module's name:
+
+    weight        float8_e4m3fn | float8_e5m2  [out_features, in_features]
+    weight_scale  float32  [out_features] (per_channel) or [1] (per_tensor);
+                  W ≈ weight.float() * weight_scale[:, None]
+    input_scale   float32  [1], only with activation_scheme = "static":
+                  x ≈ saturate(x / input_scale).to(activation_dtype) * input_scale
+    bias          model dtype [out_features], when the layer has one
+
+``activation_scheme`` is ``dynamic`` (one scale per token, computed at run time from the
+token's absolute maximum), ``static`` (the calibrated ``input_scale``) or ``none`` (weight-only:
+the weight is dequantized and multiplied in the model dtype).
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn as nn
+
+from compiler.errors import ArtifactError
+from compiler.fp8_gemm import fp8_gemm
+from compiler.qlinear import QuantizedLinear, register_format
+
+FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+Fp8DtypeName = Literal["float8_e4m3fn", "float8_e5m2"]
+# A scale is never below this, so an all-zero row or tensor quantizes to zeros, not NaN.
+MIN_SCALE = 1e-12
+
+
+def fp8_dtype(name: str) -> torch.dtype:
+    if name not in FP8_DTYPES:
+        raise ArtifactError(f"unknown FP8 dtype {name!r}; expected one of {', '.join(FP8_DTYPES)}")
+    return FP8_DTYPES[name]
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of an FP8 dtype (448 for E4M3FN, 57344 for E5M2)."""
+    return float(torch.finfo(dtype).max)
+
+
+def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast to FP8, clamping to the finite range first (±Inf becomes ±max; NaN stays NaN)."""
+    m = fp8_max(dtype)
+    return x.float().clamp(-m, m).to(dtype)
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 scale mapping absolute maximum ``amax`` onto the FP8 dtype's largest value."""
+    return (amax.float() / fp8_max(dtype)).clamp(min=MIN_SCALE)
+
+
+def weight_scale(weight: torch.Tensor, dtype: torch.dtype, granularity: str) -> torch.Tensor:
+    """Scale [out] (per_channel: each output row's abs-max) or [1] (per_tensor)."""
+    w = weight.detach().float().abs()
+    amax = w.amax(dim=1) if granularity == "per_channel" else w.amax().reshape(1)
+    return scale_from_amax(amax, dtype)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 codes of ``x / scale`` (scale broadcast against x; e.g. [out, 1] for rows)."""
+    return saturating_cast(x.float() / scale, dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.float() * scale).to(dtype)
+
+
+def quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic activation quantization: x [M, K] -> codes [M, K] and one scale per row [M]."""
+    scale = scale_from_amax(x.detach().float().abs().amax(dim=-1), dtype)
+    return quantize(x, scale[:, None], dtype), scale
+
+
+@register_format
+class Fp8Linear(QuantizedLinear):
+    """A Linear with FP8 weights and (optionally) FP8 activations; see the module docstring."""
+
+    format_name: ClassVar[str] = "fp8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 weight_dtype: str = "float8_e4m3fn", granularity: str = "per_channel",
+                 activation_dtype: str = "float8_e4m3fn", activation_scheme: str = "dynamic"):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_dtype, self.granularity = weight_dtype, granularity
+        self.activation_dtype, self.activation_scheme = activation_dtype, activation_scheme
+        n_scales = out_features if granularity == "per_channel" else 1
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=fp8_dtype(weight_dtype)))
+        self.register_buffer("weight_scale", torch.empty(n_scales, dtype=torch.float32))
+        if activation_scheme == "static":
+            self.register_buffer("input_scale", torch.empty(1, dtype=torch.float32))
+        self.register_buffer("bias", torch.empty(out_features, dtype=dtype) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, weight_dtype: str = "float8_e4m3fn", granularity: str = "per_channel",
+                    activation_dtype: str = "float8_e4m3fn", activation_scheme: str = "dynamic",
+                    input_scale: float | None = None) -> "Fp8Linear":
+        """Quantize ``linear``'s weight; ``input_scale`` is required when activations are static."""
+        w = linear.weight.detach()
+        if activation_scheme == "static" and input_scale is None:
+            raise ValueError("static activations need a calibrated input_scale")
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype,
+                weight_dtype, granularity, activation_dtype, activation_scheme).to(w.device)
+        wdt = fp8_dtype(weight_dtype)
+        scale = weight_scale(w, wdt, granularity)
+        m.weight.copy_(quantize(w, scale[:, None], wdt))
+        m.weight_scale.copy_(scale)
+        if activation_scheme == "static":
+            m.input_scale.fill_(max(float(input_scale), MIN_SCALE))
+        if linear.bias is not None:
+            m.bias.copy_(linear.bias.detach())
+        return m
+
+    def format_meta(self) -> dict:
+        meta = {"format": self.format_name, "in_features": self.in_features, "out_features": self.out_features,
+                "weight_dtype": self.weight_dtype, "granularity": self.granularity,
+                "activation_scheme": self.activation_scheme}
+        if self.activation_scheme != "none":
+            meta["activation_dtype"] = self.activation_dtype
+        return meta
+
+    @classmethod
+    def empty(cls, meta: dict, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> "Fp8Linear":
+        try:
+            return cls(in_features, out_features, bias, dtype, meta["weight_dtype"], meta["granularity"],
+                       meta.get("activation_dtype", "float8_e4m3fn"), meta["activation_scheme"])
+        except KeyError as e:
+            raise ArtifactError(f"fp8 module entry lacks {e}; the manifest is corrupt, recompile the artifact") from None
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize(self.weight, self.weight_scale[:, None])
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] -> FP8 codes [M, K] and scales [M] (dynamic) or [1] (static)."""
+        dtype = fp8_dtype(self.activation_dtype)
+        if self.activation_scheme == "dynamic":
+            return quantize_per_token(x, dtype)
+        return quantize(x, self.input_scale, dtype), self.input_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        if self.activation_scheme == "none":
+            y = x2 @ self.dequantized_weight().to(x.dtype).t()
+            y = y + self.bias if self.bias is not None else y
+        else:
+            xq, xs = self.quantize_input(x2)
+            y = fp8_gemm(xq, xs, self.weight, self.weight_scale, self.bias, x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)

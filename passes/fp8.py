@@ -1,0 +1,205 @@
+"""The ``fp8`` pass: FP8 (E4M3 / E5M2) weights, activations and KV cache, with a per-layer fallback.
+
+    [[passes]]
+    name = "fp8"
+    weight_dtype = "float8_e4m3fn"      # or "float8_e5m2"
+    granularity = "per_channel"         # weight scales: "per_channel" (one per output row) or "per_tensor"
+    activation_scheme = "dynamic"       # "dynamic" per token, "static" per tensor, "none" (weight-only)
+    static_calibration = "absmax"       # static scale from the abs-max, or "percentile"
+    modules_to_not_convert = ["lm_head", "embed_tokens"]
+    max_layer_error = 0.1               # relative output error above which a layer stays in float
+    kv_cache_dtype = "float8_e4m3fn"    # "none" keeps the KV cache in the model dtype
+
+Phases: (1) run the calibration windows through the model in its dtype, hooks recording for
+each candidate Linear the abs-max of every input token and a sample of input rows, and for
+each attention layer the per-head K/V abs-max; (2) quantize each candidate, measure its relative
+output error on the sampled rows and keep it in float if that exceeds ``max_layer_error`` (a
+recorded decision, never silent); (3) install the FP8 KV rounding and record its scales in the
+manifest's ``kv_cache`` entry for the engine. Formats and buffers: ``compiler/fp8.py``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Literal
+
+import torch
+import torch.nn as nn
+
+from compiler.config import ModelConfig
+from compiler.errors import ConfigError
+from compiler.fp8 import FP8_DTYPES, Fp8DtypeName, Fp8Linear, fp8_max
+from compiler.fp8_kv import KVObserver, install_kv_quant, kv_cache_entry
+from compiler.model import Transformer
+from compiler.pipeline import Pass, PassContext, PassReport, register_pass
+from compiler.progress import track
+from compiler.qlinear import linear_modules
+
+
+@dataclass
+class Fp8Options:
+    """Options of the ``fp8`` pass (see the module docstring for an example)."""
+
+    weight_dtype: Fp8DtypeName = "float8_e4m3fn"
+    granularity: Literal["per_channel", "per_tensor"] = "per_channel"
+    activation_scheme: Literal["dynamic", "static", "none"] = "dynamic"
+    activation_dtype: Fp8DtypeName = "float8_e4m3fn"
+    # Static scales: "absmax" covers every calibration token; "percentile" covers that percentile
+    # of the tokens' abs-maxima (the rest saturate), trading rare outliers for finer steps.
+    static_calibration: Literal["absmax", "percentile"] = "absmax"
+    percentile: float = 99.9
+    # A pattern names a module by a glob over its full name or by dotted components ("lm_head", "layers.0").
+    modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head", "embed_tokens"])
+    max_layer_error: float | None = 0.1
+    convert_linears: bool = True  # false: only the KV cache (for measuring it alone)
+    kv_cache_dtype: Literal["none", "float8_e4m3fn", "float8_e5m2"] = "none"
+    kv_cache_granularity: Literal["per_tensor", "per_head"] = "per_head"
+    calibration_samples: int | None = None  # windows to calibrate on; default [calibration].samples
+    error_tokens: int = 256  # input rows per layer sampled for the fallback decision
+
+    def __post_init__(self):
+        if not 0 < self.percentile <= 100:
+            raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
+        if self.max_layer_error is not None and self.max_layer_error <= 0:
+            raise ValueError(f"max_layer_error must be > 0 (or left out for no fallback), got {self.max_layer_error}")
+        if self.calibration_samples is not None and self.calibration_samples < 1:
+            raise ValueError(f"calibration_samples must be >= 1, got {self.calibration_samples}")
+        if self.error_tokens < 1:
+            raise ValueError(f"error_tokens must be >= 1, got {self.error_tokens}")
+        if not self.convert_linears and self.kv_cache_dtype == "none":
+            raise ValueError("convert_linears = false with kv_cache_dtype = \"none\" converts nothing; "
+                             "set a kv_cache_dtype or drop convert_linears")
+
+
+def matches(name: str, pattern: str) -> bool:
+    """Whether module ``name`` is named by ``pattern`` (a glob, or whole dotted components)."""
+    return fnmatchcase(name, pattern) or f".{pattern}." in f".{name}."
+
+
+def _meta_model(config: ModelConfig) -> Transformer:
+    with torch.device("meta"):
+        return Transformer(config)
+
+
+@register_pass
+class Fp8Pass(Pass):
+    """FP8 casts of decoder Linears (W8A8 or weight-only) and of the KV cache."""
+
+    name = "fp8"
+    Options = Fp8Options
+    provides = frozenset({"fp8_weights"})
+
+    def _candidates(self, model: nn.Module) -> list[str]:
+        if not self.options.convert_linears:
+            return []
+        return [n for n in linear_modules(model) if not any(matches(n, p) for p in self.options.modules_to_not_convert)]
+
+    def _format(self, in_features: int, out_features: int) -> dict:
+        o = self.options
+        return Fp8Linear(0, 0, False, torch.float32, o.weight_dtype, o.granularity, o.activation_dtype,
+                         o.activation_scheme).format_meta() | {"in_features": in_features, "out_features": out_features}
+
+    def planned_formats(self, config: ModelConfig) -> dict[str, dict]:
+        model = _meta_model(config)
+        linears = linear_modules(model)
+        return {n: self._format(linears[n].in_features, linears[n].out_features) for n in self._candidates(model)}
+
+    def check(self, config: ModelConfig) -> None:
+        names = [n for n, _ in _meta_model(config).named_modules() if n]
+        for p in self.options.modules_to_not_convert:
+            if not any(matches(n, p) for n in names):
+                raise ConfigError(f"modules_to_not_convert pattern {p!r} matches no module (e.g. {names[-1]!r}); fix or remove it")
+
+    def run(self, model: Transformer, context: PassContext) -> PassReport:
+        o = self.options
+        report = PassReport(self.name)
+        candidates = self._candidates(model)
+        excluded = [n for n in linear_modules(model) if n not in set(candidates)]
+        stats = self._calibrate(model, context, candidates)
+        for name in track(candidates, "fp8: quantizing layers"):
+            report.layers.append(self._convert(model, name, stats.get(name)))
+        kept = [r["module"] for r in report.layers if r["decision"] == "fallback"]
+        errors = [r["rel_error"] for r in report.layers if "rel_error" in r]
+        report.metrics = {"converted": len(candidates) - len(kept), "fallback": len(kept),
+                          "weight_dtype": o.weight_dtype, "activations": o.activation_scheme}
+        if errors:
+            report.metrics |= {"mean_rel_error": sum(errors) / len(errors), "max_rel_error": max(errors)}
+        if kept:
+            report.notes.append(f"{len(kept)} layer(s) stay in {model.embed_tokens.weight.dtype} because their "
+                                f"relative error exceeds max_layer_error={o.max_layer_error}: {', '.join(kept)}")
+        if excluded and o.convert_linears:
+            report.notes.append(f"not converted (modules_to_not_convert): {', '.join(excluded)}")
+        if o.kv_cache_dtype != "none":
+            entry = kv_cache_entry(o.kv_cache_dtype, o.kv_cache_granularity, stats["__kv__"])
+            install_kv_quant(model, entry)
+            context.manifest_extras["kv_cache"] = entry
+            report.metrics["kv_cache"] = f"{o.kv_cache_dtype} {o.kv_cache_granularity}"
+        return report
+
+    def _needs_calibration(self, candidates: list[str]) -> bool:
+        o = self.options
+        return o.kv_cache_dtype != "none" or bool(candidates) and (o.activation_scheme == "static" or o.max_layer_error is not None)
+
+    @torch.inference_mode()
+    def _calibrate(self, model: Transformer, context: PassContext, candidates: list[str]) -> dict:
+        """name -> {"token_amax": [N], "rows": [R, in]} per candidate; "__kv__" -> observers."""
+        if not self._needs_calibration(candidates):
+            return {}
+        o = self.options
+        windows = context.calibration_windows(o.calibration_samples)
+        stride = max(1, windows.numel() // o.error_tokens)  # every stride-th token is kept for errors
+        stats = {n: {"token_amax": [], "rows": []} for n in candidates}
+
+        def hook(name):
+            def record(_module, args):
+                x = args[0].detach().reshape(-1, args[0].shape[-1])  # [B*T, in]
+                stats[name]["token_amax"].append(x.abs().amax(-1).float())
+                stats[name]["rows"].append(x[::stride].float().clone())
+            return record
+
+        handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in candidates]
+        observers = [KVObserver() for _ in model.layers] if o.kv_cache_dtype != "none" else []
+        saved = [layer.self_attn.kv_quant for layer in model.layers]
+        for layer, obs in zip(model.layers, observers):
+            layer.self_attn.kv_quant = obs
+        try:
+            device = next(model.parameters()).device
+            batches = windows.split(4)
+            for batch in track(batches, "fp8: calibrating", total=len(batches)):
+                model(batch.to(device))
+        finally:
+            for h in handles:
+                h.remove()
+            for layer, prev in zip(model.layers, saved):
+                layer.self_attn.kv_quant = prev
+        out = {n: {"token_amax": torch.cat(s["token_amax"]), "rows": torch.cat(s["rows"])[: o.error_tokens]}
+               for n, s in stats.items()}
+        out["__kv__"] = observers
+        return out
+
+    def _input_scale(self, token_amax: torch.Tensor) -> float:
+        o = self.options
+        amax = token_amax.max() if o.static_calibration == "absmax" else torch.quantile(token_amax, o.percentile / 100)
+        return float(amax) / fp8_max(FP8_DTYPES[o.activation_dtype])
+
+    def _convert(self, model: Transformer, name: str, stats: dict | None) -> dict:
+        """Quantize one Linear; keep it in float if its error on calibration rows is too high."""
+        o = self.options
+        linear = model.get_submodule(name)
+        input_scale = self._input_scale(stats["token_amax"]) if o.activation_scheme == "static" else None
+        q = Fp8Linear.from_linear(linear, o.weight_dtype, o.granularity, o.activation_dtype, o.activation_scheme, input_scale)
+        row = {"module": name, "decision": "fp8"}
+        if input_scale is not None:
+            row["input_scale"] = input_scale
+        if stats is not None and o.max_layer_error is not None:
+            with torch.inference_mode():
+                x = stats["rows"].to(linear.weight.dtype)
+                ref = linear(x).float()
+                err = float((q(x).float() - ref).norm() / ref.norm().clamp(min=1e-30))
+            row["rel_error"] = err if math.isfinite(err) else float("inf")
+            if row["rel_error"] > o.max_layer_error:
+                row["decision"] = "fallback"
+                return row
+        model.set_submodule(name, q)
+        return row

@@ -1,0 +1,130 @@
+"""FP8 primitives, the fp8 format and kernels: saturation, scales, kernels vs the dequantize reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from compiler.fp8 import (FP8_DTYPES, Fp8Linear, quantize, quantize_per_token, saturating_cast, scale_from_amax,
+                          weight_scale)
+from compiler.fp8_gemm import FP8_KERNELS, dequant_gemm, fp8_gemm, select_kernel
+
+DTYPES = list(FP8_DTYPES.values())
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    err = float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+    assert err == err, "NaN relative error"
+    return err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_saturating_cast_never_overflows_to_nan_or_inf(dtype):
+    fmax = torch.finfo(dtype).max
+    x = torch.tensor([0.0, 1.0, -1.0, fmax * 1.01, -fmax * 4, 1e30, -1e30, float("inf"), float("-inf")])
+    q = saturating_cast(x, dtype).float()
+    assert torch.isfinite(q).all()
+    assert q[3] == fmax and q[4] == -fmax and q[5] == fmax and q[6] == -fmax and q[7] == fmax and q[8] == -fmax
+    assert q[:3].tolist() == [0.0, 1.0, -1.0]
+
+
+def test_scales_map_absmax_to_format_max():
+    w = torch.tensor([[1.0, -4.0], [0.5, 0.25], [0.0, 0.0]])
+    e4 = torch.float8_e4m3fn
+    per_channel = weight_scale(w, e4, "per_channel")
+    assert torch.allclose(per_channel[:2], torch.tensor([4.0, 0.5]) / 448)
+    assert per_channel[2] > 0  # an all-zero row gets a tiny positive scale, not 0 (no 0/0)
+    assert torch.allclose(weight_scale(w, e4, "per_tensor"), torch.tensor([4.0 / 448]))
+    assert torch.allclose(scale_from_amax(torch.tensor(57344.0), torch.float8_e5m2), torch.tensor(1.0))
+    # the abs-max element lands exactly on the format's largest value
+    q = quantize(w, per_channel[:, None], e4).float()
+    assert q[0, 1] == -448 and q[1, 0] == 448 and (q[2] == 0).all()
+
+
+def test_per_token_quantization_round_trip():
+    torch.manual_seed(0)
+    x = torch.randn(16, 64) * torch.logspace(-3, 3, 16)[:, None]  # rows of very different magnitudes
+    q, s = quantize_per_token(x, torch.float8_e4m3fn)
+    assert s.shape == (16,) and q.dtype == torch.float8_e4m3fn
+    assert rel_error(q.float() * s[:, None], x) < 0.05
+
+
+def _operands(m, n, k, a_dtype, b_dtype, granularity, seed):
+    """Fresh random FP8 operands; activations reach 1e4, far beyond E4M3's 448 before scaling."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 1e4
+    w = torch.randn(n, k, generator=g)
+    xq, xs = quantize_per_token(x, a_dtype)
+    ws = weight_scale(w, b_dtype, granularity)
+    wq = quantize(w, ws[:, None], b_dtype)
+    bias = torch.randn(n, generator=g)
+    return x, w, xq, xs, wq, ws, bias
+
+
+@pytest.mark.parametrize("kernel", ["scaled_mm", "triton"])
+@pytest.mark.parametrize("dtypes", [(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e5m2)])
+@pytest.mark.parametrize("granularity", ["per_channel", "per_tensor"])
+@pytest.mark.parametrize("shape", [(5, 24, 40), (70, 130, 96)])
+def test_kernels_match_dequantize_reference(kernel, dtypes, granularity, shape, monkeypatch):
+    if kernel == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    m, n, k = shape
+    x, w, xq, xs, wq, ws, bias = _operands(m, n, k, *dtypes, granularity, seed=hash((shape, granularity)) % 1000)
+    ref = dequant_gemm(xq, xs, wq, ws, bias)
+    assert rel_error(FP8_KERNELS[kernel](xq, xs, wq, ws, bias), ref) < 1e-5
+    # static (per-tensor) activation scale too, with values saturating at the format's max
+    xs_static = torch.tensor([1e4 / torch.finfo(dtypes[0]).max])
+    xq_static = quantize(x, xs_static, dtypes[0])
+    ref = dequant_gemm(xq_static, xs_static, wq, ws, None)
+    assert torch.isfinite(ref).all()
+    assert rel_error(FP8_KERNELS[kernel](xq_static, xs_static, wq, ws, None), ref) < 1e-5
+    # and the reference itself is close to the float product
+    assert rel_error(dequant_gemm(xq, xs, wq, ws, bias), x @ w.t() + bias) < 0.1
+
+
+def test_kernel_selection_by_device():
+    assert select_kernel(torch.device("cpu")) == "scaled_mm"
+    assert select_kernel(torch.device("cuda")) == "triton"
+    assert select_kernel(torch.device("meta")) == "dequant"
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "static", "none"])
+@pytest.mark.parametrize("granularity", ["per_channel", "per_tensor"])
+def test_fp8_linear_close_to_float(scheme, granularity):
+    torch.manual_seed(1)
+    lin = nn.Linear(48, 32)
+    x = torch.randn(3, 7, 48)
+    q = Fp8Linear.from_linear(lin, granularity=granularity, activation_scheme=scheme,
+                              input_scale=float(x.abs().max()) / 448 if scheme == "static" else None)
+    assert q.weight.dtype == torch.float8_e4m3fn and q.weight.shape == (32, 48)
+    y = q(x)
+    assert y.shape == (3, 7, 32) and y.dtype == x.dtype
+    assert rel_error(y, lin(x)) < 0.08
+    meta = q.format_meta()
+    assert meta["format"] == "fp8" and meta["in_features"] == 48 and meta["out_features"] == 32
+    assert meta["activation_scheme"] == scheme and meta["granularity"] == granularity
+
+
+def test_fp8_linear_static_saturates_instead_of_nan():
+    lin = nn.Linear(16, 8)
+    q = Fp8Linear.from_linear(lin, activation_scheme="static", input_scale=1.0 / 448)  # covers |x| <= 1
+    y = q(torch.full((2, 16), 1e6))
+    assert torch.isfinite(y).all()
+    with pytest.raises(ValueError, match="input_scale"):
+        Fp8Linear.from_linear(lin, activation_scheme="static")
+
+
+def test_fp8_gemm_default_dispatch_matches_reference():
+    _, _, xq, xs, wq, ws, bias = _operands(9, 17, 33, torch.float8_e4m3fn, torch.float8_e4m3fn, "per_channel", 3)
+    assert rel_error(fp8_gemm(xq, xs, wq, ws, bias), dequant_gemm(xq, xs, wq, ws, bias)) < 1e-5
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "none"])
+def test_fp8_linear_keeps_bfloat16_models_in_bfloat16(scheme):
+    torch.manual_seed(2)
+    lin = nn.Linear(32, 16).to(torch.bfloat16)
+    q = Fp8Linear.from_linear(lin, activation_scheme=scheme)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    y = q(x)
+    assert y.dtype == torch.bfloat16 and q.bias.dtype == torch.bfloat16
+    assert rel_error(y, lin(x)) < 0.08
