@@ -135,3 +135,22 @@ def test_other_quantized_formats_export_dequantized(tmp_path):
     ids = torch.randint(0, loaded.model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert rel_error(OnnxRunner(tmp_path / "onnx", threads=1).prefill(ids.numpy()), loaded.model(ids).numpy()) < 1e-4
+
+
+@pytest.mark.parametrize("scheme", ["none", "dynamic"])
+def test_fp8_artifact_exports_dequantized(tmp_path, scheme):
+    from compiler.fp8 import Fp8Linear
+    from compiler.qlinear import linear_modules
+
+    loaded = load_artifact(make_artifact(tmp_path, "llama"))
+    for name, linear in linear_modules(loaded.model).items():
+        if name != "lm_head":
+            loaded.model.set_submodule(name, Fp8Linear.from_linear(linear, activation_scheme=scheme))
+    info = export_onnx(loaded, tmp_path / "onnx", OnnxExportOptions(max_len=MAX_LEN))
+    assert all(how.startswith("MatMul on the dequantized fp8 weight") for how in info.layers.values())
+    assert all(("activation quantization is not exported" in how) == (scheme != "none") for how in info.layers.values())
+    if scheme == "none":  # weight-only FP8 is exactly what the graph computes
+        ids = torch.randint(0, loaded.model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            ref = loaded.model(ids).numpy()
+        assert rel_error(OnnxRunner(tmp_path / "onnx", threads=1).prefill(ids.numpy()), ref) < 1e-4

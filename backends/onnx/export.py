@@ -48,7 +48,12 @@ def layer_exports(model: Transformer, dequantize: bool) -> dict[str, str]:
         if isinstance(m, Int4Linear) and not dequantize:
             out[name] = f"MatMulNBits(bits=4, block_size={m.group_size})"
         else:
-            out[name] = f"MatMul on the dequantized {m.format_name} weight"
+            how = f"MatMul on the dequantized {m.format_name} weight"
+            # Formats that also quantize activations (fp8 dynamic/static) lose that step: the graph
+            # is weight-only, so its outputs differ from the artifact's by the activation rounding.
+            if getattr(m, "activation_scheme", "none") != "none":
+                how += ", float activations (the artifact's activation quantization is not exported)"
+            out[name] = how
     return out
 
 
