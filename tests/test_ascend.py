@@ -112,7 +112,7 @@ def test_precision_mode_v2_replaces_v1(int4_artifact, atc_double, tmp_path):
 @pytest.mark.integration
 def test_atc_error_surfaced_with_node_and_nothing_half_written(int4_artifact, atc_double, monkeypatch, tmp_path):
     loaded = load_artifact(int4_artifact)
-    node = next(n.name for n in export_graphs(loaded.model, OnnxExportOptions(128, "float16", 1, None, True))[0].graph.node
+    node = next(n.name for n in export_graphs(loaded.model, OnnxExportOptions(max_len=128, dtype="float16", batch=1, dequantize=True))[0].graph.node
                 if n.op_type == "Softmax")
     monkeypatch.setenv("ATC_DOUBLE_MODE", "fail")
     monkeypatch.setenv("ATC_DOUBLE_NODE", node)

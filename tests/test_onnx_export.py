@@ -11,6 +11,7 @@ from backends.onnx.export import EXTERNAL_THRESHOLD, OnnxExportOptions, export_o
 from compiler.artifact import load_artifact
 from compiler.kv_cache import ContiguousKVCache
 from compiler.onnx_bundle import DECODE_FILE, PREFILL_FILE, WEIGHTS_FILE, OnnxBundleInfo
+from compiler.qlinear import QuantizedLinear
 from onnx_helpers import make_artifact, rel_error
 from serving.onnx_runner import OnnxRunner
 
@@ -105,3 +106,51 @@ def test_cache_overflow_is_a_clear_error(lowered):
     runner = OnnxRunner(out, threads=1)
     with pytest.raises(QCompileError, match="max_len"):
         runner.prefill(np.zeros((1, MAX_LEN + 1), np.int64))
+
+
+class DequantOnlyLinearDouble(QuantizedLinear):
+    """TEST DOUBLE of a non-INT4 QuantizedLinear (e.g. FP8): rounds the weight to a coarse grid and
+    only offers ``dequantized_weight()``, which is what the exporter must use for such layers."""
+
+    format_name = "test-double"
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("codes", torch.round(linear.weight.detach() * 16))
+        self.bias = None
+
+    def dequantized_weight(self):
+        return self.codes / 16
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.dequantized_weight())
+
+
+def test_other_quantized_formats_export_dequantized(tmp_path):
+    loaded = load_artifact(make_artifact(tmp_path, "llama"))
+    loaded.model.set_submodule("layers.0.mlp.up_proj", DequantOnlyLinearDouble(loaded.model.get_submodule("layers.0.mlp.up_proj")))
+    info = export_onnx(loaded, tmp_path / "onnx", OnnxExportOptions(max_len=MAX_LEN))
+    assert info.layers == {"layers.0.mlp.up_proj": "MatMul on the dequantized test-double weight"}
+    ids = torch.randint(0, loaded.model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_error(OnnxRunner(tmp_path / "onnx", threads=1).prefill(ids.numpy()), loaded.model(ids).numpy()) < 1e-4
+
+
+@pytest.mark.parametrize("scheme", ["none", "dynamic"])
+def test_fp8_artifact_exports_dequantized(tmp_path, scheme):
+    from compiler.fp8 import Fp8Linear
+    from compiler.qlinear import linear_modules
+
+    loaded = load_artifact(make_artifact(tmp_path, "llama"))
+    for name, linear in linear_modules(loaded.model).items():
+        if name != "lm_head":
+            loaded.model.set_submodule(name, Fp8Linear.from_linear(linear, activation_scheme=scheme))
+    info = export_onnx(loaded, tmp_path / "onnx", OnnxExportOptions(max_len=MAX_LEN))
+    assert all(how.startswith("MatMul on the dequantized fp8 weight") for how in info.layers.values())
+    assert all(("activation quantization is not exported" in how) == (scheme != "none") for how in info.layers.values())
+    if scheme == "none":  # weight-only FP8 is exactly what the graph computes
+        ids = torch.randint(0, loaded.model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            ref = loaded.model(ids).numpy()
+        assert rel_error(OnnxRunner(tmp_path / "onnx", threads=1).prefill(ids.numpy()), ref) < 1e-4

@@ -146,3 +146,12 @@ def test_example_onnx_stage(artifact_with_tokenizer, tmp_path):
     (result,) = run_onnx_stage(console, rows, tmp_path, "def fibonacci(n):")
     assert result["rel_error"] < 1e-4 and result["greedy_same"]
     assert "MatMulNBits" in result["layers"] and "identical" in console.export_text()
+
+
+def test_example_onnx_stage_picks_float_and_first_int4(artifact_with_tokenizer, tmp_path):
+    from compiler.cli.example_onnx import stage_rows
+
+    float_artifact = make_artifact(tmp_path, "llama")
+    rows = [{"variant": "float", "path": str(float_artifact)}, {"variant": "plain", "path": str(float_artifact)},
+            {"variant": "int4-a", "path": str(artifact_with_tokenizer)}, {"variant": "int4-b", "path": str(artifact_with_tokenizer)}]
+    assert [r["variant"] for r in stage_rows(rows)] == ["float", "int4-a"]

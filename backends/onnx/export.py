@@ -31,7 +31,6 @@ class OnnxExportOptions:
     max_len: int = 1024
     dtype: str = "float32"
     batch: int | None = None
-    prefill_seq: int | None = None  # static prefill length (None: dynamic)
     dequantize: bool = False  # export quantized layers as float (dequantized) weights
 
     def validate(self, model: Transformer) -> None:
@@ -48,7 +47,12 @@ def layer_exports(model: Transformer, dequantize: bool) -> dict[str, str]:
         if isinstance(m, Int4Linear) and not dequantize:
             out[name] = f"MatMulNBits(bits=4, block_size={m.group_size})"
         else:
-            out[name] = f"MatMul on the dequantized {m.format_name} weight"
+            how = f"MatMul on the dequantized {m.format_name} weight"
+            # Formats that also quantize activations (fp8 dynamic/static) lose that step: the graph
+            # is weight-only, so its outputs differ from the artifact's by the activation rounding.
+            if getattr(m, "activation_scheme", "none") != "none":
+                how += ", float activations (the artifact's activation quantization is not exported)"
+            out[name] = how
     return out
 
 
@@ -56,7 +60,7 @@ def export_graphs(model: Transformer, opts: OnnxExportOptions) -> tuple[onnx.Mod
     """The prefill and decode ModelProtos (weights inline)."""
     opts.validate(model)
     common = dict(max_len=opts.max_len, dtype=opts.dtype, batch=opts.batch, dequantize=opts.dequantize)
-    prefill = build_graph(model, GraphSpec("prefill", seq=opts.prefill_seq, **common))
+    prefill = build_graph(model, GraphSpec("prefill", **common))  # T dynamic (ATC: gears)
     decode = build_graph(model, GraphSpec("decode", seq=1 if opts.batch is not None else None, **common))
     return prefill, decode
 
