@@ -203,9 +203,9 @@ class Engine:
                 self.step()
             except Exception as e:  # fail every waiting stream loudly rather than hang them
                 for rid in list(self.requests):
+                    self._deliver(rid, e)  # before abort's event, so the stream raises rather than ends quietly
                     self.abort(rid)
-                    self._deliver(rid, e)
-                raise
+                return  # every stream has the exception; re-raising here would only reach an unawaited task
             await asyncio.sleep(0)  # let consumers (and new requests) in between steps
 
     async def generate_stream(self, prompt: str | None = None, prompt_token_ids: list[int] | None = None,

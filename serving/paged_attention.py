@@ -10,8 +10,9 @@ FP8 KV: K/V are stored as ``float8_e4m3fn`` values of ``x / scale`` and read bac
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from compiler.kv_cache import attention_mask, sdpa
+from compiler.kv_cache import attention_mask
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -52,8 +53,11 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k_pos = torch.arange(L, device=q.device).expand(S, L)
     q_pos = (seq_lens - 1)[:, None]
     mask = attention_mask(q_pos, k_pos, sliding_window)  # [S, 1, 1, L]: also hides the padding (pos > q_pos)
-    out = sdpa(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), mask)  # [S, Hq, 1, D]
-    return out[:, :, 0]
+    Hkv = keys.shape[2]
+    # GQA without copying K/V per query head: fold each KV head's query group into the query axis.
+    qg = q.reshape(S, Hkv, -1, q.shape[-1])  # [S, Hkv, G, D]
+    out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask)
+    return out.reshape(q.shape)
 
 
 def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -66,5 +70,10 @@ def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     keys = dequantize_kv(gather_blocks(k_cache, block_ids[None])[0, :context_len], q.dtype, k_scale)  # [L, Hkv, D]
     values = dequantize_kv(gather_blocks(v_cache, block_ids[None])[0, :context_len], q.dtype, v_scale)
     k_pos = torch.arange(context_len, device=q.device)
-    mask = attention_mask(q_positions[None], k_pos[None], sliding_window)  # [1, 1, Tq, L]
-    return sdpa(q[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], mask)[0]
+    mask = attention_mask(q_positions[None], k_pos[None], sliding_window)[0]  # [1, Tq, L]
+    Hq, Tq, D = q.shape
+    Hkv = keys.shape[1]
+    G = Hq // Hkv
+    qg = q.reshape(Hkv, G * Tq, D)  # a KV head's G query heads, one after the other on the query axis
+    out = F.scaled_dot_product_attention(qg, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask.repeat(1, G, 1))
+    return out.reshape(Hq, Tq, D)

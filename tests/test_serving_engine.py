@@ -313,3 +313,19 @@ def test_quantized_layers_need_nothing_engine_specific(tiny_model):
     want = [reference(loaded.model, p, 12) for p in prompts]
     engine = Engine.from_loaded(loaded, "cpu", block_size=4, num_blocks=32)
     assert run_staggered(engine, prompts) == want
+
+
+def test_a_failing_step_fails_every_stream_loudly(tiny_model):
+    engine = Engine.from_loaded(tiny_model(), "cpu", block_size=4, num_blocks=32)
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+
+    engine._forward = broken
+
+    async def consume():
+        return [e async for e in engine.generate_stream(prompt_token_ids=[5, 6], max_tokens=4)]
+
+    with pytest.raises(RuntimeError, match="device lost"):
+        asyncio.run(consume())
+    assert not engine.has_unfinished() and engine.kv.num_free_blocks == 32

@@ -58,7 +58,8 @@ def test_existing_output_needs_force(artifact, tmp_path):
 
 
 @pytest.mark.parametrize("fmt, ok", [({"format": "int4", "group_size": 64}, True), ({"format": "int4", "group_size": 48}, False),
-                                     ({"format": "fp8_e4m3"}, True), ({"format": "nf4"}, False)])
+                                     ({"format": "int4", "group_size": 256}, True), ({"format": "fp8", "weight_dtype": "float8_e4m3fn"}, True),
+                                     ({"format": "nf4"}, False)])
 def test_target_constraints(fmt, ok):
     if ok:
         check_formats("triton", {"layers.0.mlp.up_proj": fmt})
