@@ -50,11 +50,13 @@ def test_cuda_lowering_asks_for_gpu_and_records_kernels(artifact, tmp_path):
     assert precision == "float32+int4" and "w4a16_int4_gemm" in kernels
 
 
-def test_existing_output_needs_force(artifact, tmp_path):
-    lower(artifact, "triton", tmp_path / "repo")
+def test_models_share_a_repository_and_replacing_one_needs_force(artifact, tmp_path):
+    lower(artifact, "triton", tmp_path / "repo", {"name": "a"})
+    lower(artifact, "triton", tmp_path / "repo", {"name": "b"})
     with pytest.raises(ArtifactError, match="already exists"):
-        lower(artifact, "triton", tmp_path / "repo")
-    lower(artifact, "triton", tmp_path / "repo", force=True)
+        lower(artifact, "triton", tmp_path / "repo", {"name": "a"})
+    lower(artifact, "triton", tmp_path / "repo", {"name": "a"}, force=True)
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["a", "b"]
 
 
 @pytest.mark.parametrize("fmt, ok", [({"format": "int4", "group_size": 64}, True), ({"format": "int4", "group_size": 48}, False),
