@@ -62,7 +62,7 @@ def main() -> None:
         err_mm = rel(scaled_mm_gemm(xq, xs, wq, ws), dequant_gemm(xq, xs, wq, ws))
         table.add_row(f"{name} {k}→{n}", f"{1e3 * base:.2f}", f"{t_ref / base:.2f}", f"{t_mm / base:.2f}",
                       f"{t_lin / base:.2f}", f"{err_mm:.1e}", f"{rel(q(x), x @ w.t()):.4f}")
-    Console().print(table)
+    Console(width=150).print(table)
     print("× = time / float32 time (lower is faster)")
 
 

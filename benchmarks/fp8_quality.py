@@ -29,17 +29,18 @@ from compiler.pipeline import PipelineConfig
 
 E5M2 = {"weight_dtype": "float8_e5m2", "activation_dtype": "float8_e5m2"}
 # label -> fp8 pass options (None: the float baseline, no passes)
-VARIANTS = {
+VARIANTS = {  # the four figures first, then the other options
     "float": None,
     "w8a8-dynamic": {},
-    "w8a8-static-absmax": {"activation_scheme": "static", "granularity": "per_tensor"},
-    "w8a8-static-pct99.9": {"activation_scheme": "static", "static_calibration": "percentile", "percentile": 99.9},
-    "w8-only": {"activation_scheme": "none"},
+    "w8a8-static-absmax": {"activation_scheme": "static"},
     "kv-e4m3-per-head": {"convert_linears": False, "kv_cache_dtype": "float8_e4m3fn"},
-    "kv-e4m3-per-tensor": {"convert_linears": False, "kv_cache_dtype": "float8_e4m3fn", "kv_cache_granularity": "per_tensor"},
-    "w8a8-dynamic+kv": {"kv_cache_dtype": "float8_e4m3fn"},
     "e5m2-w8a8-dynamic": E5M2,
+    "w8a8-static-pct99.9": {"activation_scheme": "static", "static_calibration": "percentile"},
+    "w8a8-per-tensor-static": {"activation_scheme": "static", "granularity": "per_tensor"},
+    "w8a8-dynamic+kv": {"kv_cache_dtype": "float8_e4m3fn"},
+    "kv-e4m3-per-tensor": {"convert_linears": False, "kv_cache_dtype": "float8_e4m3fn", "kv_cache_granularity": "per_tensor"},
     "kv-e5m2-per-head": {"convert_linears": False, "kv_cache_dtype": "float8_e5m2"},
+    "w8-only": {"activation_scheme": "none"},
 }
 
 

@@ -10,8 +10,9 @@ Three implementations of one contract, all compared in tests on fresh random inp
 - ``scaled_mm``: ``torch._scaled_mm`` (CPU and H100 in torch 2.13), accumulating in float32;
 - ``triton``: the OpenAI Triton kernel in ``compiler.fp8_triton`` (H100; CPU via TRITON_INTERPRET=1).
 
-``fp8_gemm`` picks by device: Triton on CUDA, ``_scaled_mm`` on the CPU (measured as fast as
-dequantize-matmul there, see docs/BENCHMARKS.md), the reference on anything else.
+``fp8_gemm`` picks by device: Triton on CUDA, ``_scaled_mm`` on the CPU, the reference on anything
+else. On the CPU, FP8 saves memory, not time: with no FP8 arithmetic there, both ``_scaled_mm`` and
+dequantize-matmul are slower than a float32 matmul (docs/BENCHMARKS.md, "FP8 casts").
 """
 from __future__ import annotations
 

@@ -26,3 +26,16 @@ def lower(artifact: str | Path, target: str, out: str | Path, options: dict | No
     if target not in LOWERINGS:
         raise ConfigError(f"no lowering for target {target!r}{suggest(target, LOWERINGS)}")
     return LOWERINGS[target](Path(artifact), Path(out), dict(options or {}), force)
+
+
+DEFAULT_MAX_LEN = 1024
+
+
+def load_for_target(artifact: Path, target: str, max_len: int | None):
+    """The artifact, checked against ``target``'s constraints, and the KV-cache length to lower with."""
+    from compiler.artifact import load_artifact
+    from compiler.targets import check_formats
+
+    loaded = load_artifact(artifact)
+    check_formats(target, loaded.manifest.get("modules", {}), str(artifact))
+    return loaded, max_len or min(DEFAULT_MAX_LEN, loaded.model.config.max_seq_len)

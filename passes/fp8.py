@@ -115,6 +115,7 @@ class Fp8Pass(Pass):
         o = self.options
         report = PassReport(self.name)
         candidates = self._candidates(model)
+        excluded = [n for n in linear_modules(model) if n not in set(candidates)]
         stats = self._calibrate(model, context, candidates)
         for name in track(candidates, "fp8: quantizing layers"):
             report.layers.append(self._convert(model, name, stats.get(name)))
@@ -127,7 +128,6 @@ class Fp8Pass(Pass):
         if kept:
             report.notes.append(f"{len(kept)} layer(s) stay in {model.embed_tokens.weight.dtype} because their "
                                 f"relative error exceeds max_layer_error={o.max_layer_error}: {', '.join(kept)}")
-        excluded = [n for n in linear_modules(model) if n not in candidates]
         if excluded and o.convert_linears:
             report.notes.append(f"not converted (modules_to_not_convert): {', '.join(excluded)}")
         if o.kv_cache_dtype != "none":

@@ -154,11 +154,6 @@ class BlockPool:
             del self.cached[block.block_hash]
         block.block_hash = None
 
-    def reset_prefix_cache(self) -> None:
-        for b in self.blocks:
-            if b.block_hash is not None:
-                self._uncache(b)
-
     def check_invariants(self) -> None:
         in_queue = {b.block_id for b in self.free_queue}
         assert len(in_queue) == self.free_queue.num_free_blocks

@@ -22,6 +22,7 @@ from typing import AsyncIterator
 import torch
 
 from compiler.checkpoint import LoadedModel
+from compiler.errors import ConfigError
 from compiler.serving_plan import ServingPlan
 from serving.engine_setup import build_kv_cache
 from serving.kv_manager import KVCacheManager
@@ -56,7 +57,10 @@ class Engine:
     def from_loaded(cls, loaded: LoadedModel, device: str | None = None, **plan_overrides) -> "Engine":
         """An engine over an in-memory model; the artifact's serving plan (if any) with ``plan_overrides`` applied."""
         manifest = loaded.manifest or {}
-        plan = ServingPlan.from_dict({**manifest.get("serving", {}), **plan_overrides})
+        try:
+            plan = ServingPlan.from_dict({**manifest.get("serving", {}), **plan_overrides})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"serving plan: {e}") from None
         return cls(loaded.model, loaded.tokenizer, plan, device, manifest.get("kv_cache"))
 
     @classmethod

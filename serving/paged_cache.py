@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from compiler.serving_plan import bytes_per_block
-from serving.paged_attention import (gather_blocks, paged_decode_reference, paged_prefill_reference,
-                                     quantize_kv)
+from serving.paged_attention import paged_decode_reference, paged_prefill_reference, quantize_kv
 
 
 @dataclass(frozen=True)
@@ -128,8 +127,3 @@ class PagedKVCache:
 
             return paged_decode_triton
         return paged_decode_reference
-
-    def read_sequence(self, layer_idx: int, block_ids: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sequence's stored K and V [length, Hkv, D] (raw storage dtype; for tests and debugging)."""
-        bt = torch.tensor(block_ids, device=self.device)[None]
-        return (gather_blocks(self.k[layer_idx], bt)[0, :length], gather_blocks(self.v[layer_idx], bt)[0, :length])

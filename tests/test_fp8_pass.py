@@ -74,6 +74,7 @@ def test_fallback_keeps_layers_above_max_layer_error(tiny, tmp_path):
     assert report.metrics["converted"] == 0 and report.metrics["fallback"] == 14
     assert all(r["decision"] == "fallback" and r["rel_error"] > 1e-6 for r in report.layers)
     assert any("max_layer_error" in n for n in report.notes)
+    assert report.notes[-1] == "not converted (modules_to_not_convert): lm_head"
     assert read_manifest(result.path)["modules"] == {}
     assert type(loaded.model.layers[0].self_attn.q_proj) is torch.nn.Linear
 

@@ -229,16 +229,16 @@ def test_artifact_plan_and_fp8_kv_cache(tiny_checkpoint, tmp_path):
     prompts = prompts_of([7, 19, 3], seed=8)
     want = [reference(engine.model, p, 12) for p in prompts]
     assert run_staggered(engine, prompts) == want
-    # An FP8 KV-cache entry as the fp8 pass writes it (per-head scales for layer 0, per-tensor for layer 1).
+    # An FP8 KV-cache entry as the fp8 pass writes it (per-head scales).
     manifest = json.loads((art / "manifest.json").read_text())
     manifest["kv_cache"] = {"dtype": "float8_e4m3fn", "granularity": "per_head",
-                            "k_scale": [[0.02, 0.03], 0.025], "v_scale": [[0.01, 0.01], 0.012]}
+                            "k_scale": [[0.02, 0.03], [0.025, 0.025]], "v_scale": [[0.01, 0.01], [0.012, 0.012]]}
     manifest["serving"]["kv_dtype"] = "auto"
     (art / "manifest.json").write_text(json.dumps(manifest))
     fp8 = Engine.from_artifact(art, "cpu")
     assert fp8.cache.k[0].dtype == torch.float8_e4m3fn
-    k_scales = [torch.tensor([0.02, 0.03]), torch.tensor([0.025])]
-    v_scales = [torch.tensor([0.01, 0.01]), torch.tensor([0.012])]
+    k_scales = [torch.tensor([0.02, 0.03]), torch.tensor([0.025, 0.025])]
+    v_scales = [torch.tensor([0.01, 0.01]), torch.tensor([0.012, 0.012])]
     want_fp8 = [reference_with_cache(fp8.model, p, 12, FP8RoundTripCache(fp8.model, len(p) + 12, k_scales, v_scales))
                 for p in prompts]
     assert run_staggered(fp8, prompts) == want_fp8
@@ -284,7 +284,7 @@ def test_fp8_kv_without_scales_is_refused(tiny_checkpoint, tmp_path):
     manifest = json.loads((art / "manifest.json").read_text())
     manifest["kv_cache"] = {"dtype": "float8_e4m3fn", "granularity": "per_tensor", "k_scale": [0.1], "v_scale": [0.1, 0.1]}
     (art / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ArtifactError, match="one scale per layer"):
+    with pytest.raises(ArtifactError, match="k_scale must hold 2 layers × 1 positive scales"):
         Engine.from_artifact(art, "cpu")
 
 
@@ -329,3 +329,10 @@ def test_a_failing_step_fails_every_stream_loudly(tiny_model):
     with pytest.raises(RuntimeError, match="device lost"):
         asyncio.run(consume())
     assert not engine.has_unfinished() and engine.kv.num_free_blocks == 32
+
+
+def test_bad_plan_overrides_are_config_errors(tiny_model):
+    from compiler.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="block_size"):
+        Engine.from_loaded(tiny_model(), "cpu", block_size=0)

@@ -11,7 +11,7 @@ DEMO_PROMPTS = ["def fibonacci(n):", "import os\n\ndef list_files(path):", "clas
                 "# Sort a list of numbers\n"]
 
 
-def serve_demo(console: Console, artifact: str, max_tokens: int = 24) -> list[dict]:
+def serve_demo(console: Console, artifact: str, max_tokens: int = 16) -> list[dict]:
     """Serve DEMO_PROMPTS concurrently (continuous batching) and print tokens/s and TTFT per request."""
     from serving.engine import Engine
 
