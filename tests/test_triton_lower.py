@@ -50,15 +50,18 @@ def test_cuda_lowering_asks_for_gpu_and_records_kernels(artifact, tmp_path):
     assert precision == "float32+int4" and "w4a16_int4_gemm" in kernels
 
 
-def test_existing_output_needs_force(artifact, tmp_path):
-    lower(artifact, "triton", tmp_path / "repo")
+def test_models_share_a_repository_and_replacing_one_needs_force(artifact, tmp_path):
+    lower(artifact, "triton", tmp_path / "repo", {"name": "a"})
+    lower(artifact, "triton", tmp_path / "repo", {"name": "b"})
     with pytest.raises(ArtifactError, match="already exists"):
-        lower(artifact, "triton", tmp_path / "repo")
-    lower(artifact, "triton", tmp_path / "repo", force=True)
+        lower(artifact, "triton", tmp_path / "repo", {"name": "a"})
+    lower(artifact, "triton", tmp_path / "repo", {"name": "a"}, force=True)
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["a", "b"]
 
 
 @pytest.mark.parametrize("fmt, ok", [({"format": "int4", "group_size": 64}, True), ({"format": "int4", "group_size": 48}, False),
-                                     ({"format": "fp8_e4m3"}, True), ({"format": "nf4"}, False)])
+                                     ({"format": "int4", "group_size": 256}, True), ({"format": "fp8", "weight_dtype": "float8_e4m3fn"}, True),
+                                     ({"format": "nf4"}, False)])
 def test_target_constraints(fmt, ok):
     if ok:
         check_formats("triton", {"layers.0.mlp.up_proj": fmt})

@@ -24,14 +24,18 @@ from conftest import make_byte_tokenizer, make_hf_model
 
 pytestmark = pytest.mark.integration
 
-MODEL = "tiny"
+MODEL = "tiny"  # float; the bad-request tests use it
+MODELS = ("tiny", "tiny-int4")  # float and AWQ INT4, served side by side from one repository
 PROMPTS = ["def f(x):", "import os", "class A:\n    pass", "x = 1", "for i in range(10):", "return None", "while True:",
            "print('hello')"]
 MAX_TOKENS = [12, 7, 16, 3, 10, 5, 14, 9]
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
+def artifacts(tmp_path_factory) -> dict[str, Path]:
+    """The tiny model compiled twice: float, and AWQ INT4 (group 32)."""
+    import backends  # noqa: F401  (the triton target, checked by the pipeline)
+    import passes  # noqa: F401
     from compiler.compile import compile_model
     from compiler.pipeline import PipelineConfig
 
@@ -40,11 +44,17 @@ def artifact(tmp_path_factory):
     model = make_hf_model("llama", vocab_size=len(tok), max_position_embeddings=128)
     model.save_pretrained(root / "ckpt")
     tok.save_pretrained(root / "ckpt")
-    return compile_model(root / "ckpt", PipelineConfig(), root / "artifact").path
+    int4 = PipelineConfig.from_dict({"calibration": {"samples": 4, "seq_len": 64}, "target": {"name": "triton"},
+                                     "passes": [{"name": "awq", "group_size": 32}]})
+    out = {"tiny": compile_model(root / "ckpt", PipelineConfig(), root / "artifact").path,
+           "tiny-int4": compile_model(root / "ckpt", int4, root / "artifact-int4").path}
+    modules = json.loads((out["tiny-int4"] / "manifest.json").read_text())["modules"]
+    assert modules and all(m["format"] == "int4" for m in modules.values())
+    return out
 
 
 @pytest.fixture(scope="module")
-def server(artifact):
+def server(artifacts):
     """``qcompile serve`` in a subprocess on free 127.0.0.1 ports; stopped with SIGTERM, which must exit cleanly."""
     from backends.triton.runtime import free_port, prepare_runtime
 
@@ -52,12 +62,14 @@ def server(artifact):
     from compiler.lowering import lower
 
     prepare_runtime()
-    repo = lower(artifact, "triton", artifact.parent / "repo", {"name": MODEL})
+    root = artifacts[MODEL].parent
+    for name, artifact in artifacts.items():
+        lower(artifact, "triton", root / "repo", {"name": name})
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
-    log = artifact.parent / "serve.log"
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": f"{root}:{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-c", "from compiler.cli import main; main()", "serve", str(repo.parent),
+    log = root / "serve.log"
+    project = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{project}:{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-c", "from compiler.cli import main; main()", "serve", str(root / "repo"),
            "--http-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]), "--metrics-port", str(ports["metrics"]),
            "--log-file", str(log)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -66,16 +78,16 @@ def server(artifact):
         assert proc.poll() is None, f"qcompile serve exited early: {proc.stdout.read()}\n{log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, "server not ready in 240 s"
         time.sleep(0.5)
-    yield {"http": f"127.0.0.1:{ports['http']}", "grpc": f"127.0.0.1:{ports['grpc']}", "artifact": artifact, "log": log}
+    yield {"http": f"127.0.0.1:{ports['http']}", "grpc": f"127.0.0.1:{ports['grpc']}", "log": log}
     proc.send_signal(signal.SIGTERM)
     output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, output
     assert "tritonserver stopped (exit code 0)" in output, output
     text = log.read_text()
-    assert "successfully unloaded" in text
+    assert all(f"successfully unloaded '{name}'" in text for name in MODELS)
     # Continuous batching: concurrent requests ran in the same engine steps.
-    peak = re.search(r"peak running sequences (\d+)", text)
-    assert peak and int(peak.group(1)) >= 2, "the engine never ran two sequences at once"
+    peaks = [int(n) for n in re.findall(r"peak running sequences (\d+)", text)]
+    assert peaks and max(peaks) >= 2, "the engine never ran two sequences at once"
 
 
 def _ready(port: int) -> bool:
@@ -87,12 +99,20 @@ def _ready(port: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def expected(server):
-    """The in-process engine's greedy tokens for every prompt (the reference)."""
+def all_expected(artifacts) -> dict[str, list[list[int]]]:
+    """Per model, the in-process engine's greedy tokens for every prompt (the reference)."""
     from serving import Engine
 
-    engine = Engine.from_artifact(server["artifact"])
-    return [list(engine.generate(prompt=p, max_tokens=n, ignore_eos=True).token_ids) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    out = {}
+    for name, artifact in artifacts.items():
+        engine = Engine.from_artifact(artifact)
+        out[name] = [list(engine.generate(prompt=p, max_tokens=n, ignore_eos=True).token_ids) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(all_expected):
+    return all_expected[MODEL]
 
 
 async def _collect(adapter, prompt, max_tokens):
@@ -115,16 +135,18 @@ def _check_streams(streams, expected):
         assert events[-1].finish_reason == "length" and all(e.finish_reason is None for e in events[:-1])
 
 
-def test_grpc_concurrent_streams_match_engine(server, expected):
+@pytest.mark.parametrize("model", MODELS)
+def test_grpc_concurrent_streams_match_engine(server, all_expected, model):
     from serving.adapters.triton_grpc import TritonGrpcAdapter
 
-    _check_streams(asyncio.run(_concurrent(TritonGrpcAdapter(server["grpc"], MODEL))), expected)
+    _check_streams(asyncio.run(_concurrent(TritonGrpcAdapter(server["grpc"], model))), all_expected[model])
 
 
-def test_http_generate_stream_matches_engine(server, expected):
+@pytest.mark.parametrize("model", MODELS)
+def test_http_generate_stream_matches_engine(server, all_expected, model):
     from serving.adapters.triton_http import TritonHttpAdapter
 
-    _check_streams(asyncio.run(_concurrent(TritonHttpAdapter(server["http"], MODEL))), expected)
+    _check_streams(asyncio.run(_concurrent(TritonHttpAdapter(server["http"], model))), all_expected[model])
 
 
 def test_http_generate_single_response(server, expected):

@@ -119,18 +119,23 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def lower_triton(artifact: str | Path, out: str | Path, opts: LowerOptions = LowerOptions(), force: bool = False) -> Path:
-    """Write the model repository for ``artifact`` to ``out`` (atomically) and return the model's folder."""
+    """Write the model ``out/<name>`` for ``artifact`` (atomically) and return its folder.
+
+    ``out`` is a model repository: it may already hold other models, which are left alone, so
+    several artifacts (float, INT4, FP8) can be served side by side by one server.
+    """
     artifact = Path(artifact)
     manifest = read_manifest(artifact)
     check_formats("triton", manifest.get("modules", {}), str(artifact))
     name = opts.name or re.sub(r"[^A-Za-z0-9_.-]", "_", artifact.resolve().name)
 
     def write(tmp: Path):
-        version = tmp / name / "1"
-        version.mkdir(parents=True)
+        version = tmp / "1"
+        version.mkdir()
         shutil.copytree(artifact, version / "artifact", copy_function=_link_or_copy)
         shutil.copy2(MODEL_SOURCE, version / "model.py")
-        (tmp / name / "config.pbtxt").write_text(config_pbtxt(name, opts, manifest, "artifact"))
+        (tmp / "config.pbtxt").write_text(config_pbtxt(name, opts, manifest, "artifact"))
 
-    atomic_directory_write(Path(out), write, force)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    atomic_directory_write(Path(out) / name, write, force)
     return Path(out) / name

@@ -23,7 +23,7 @@ async def _tokens(adapter, prompt: str, params: SamplingParams) -> tuple[list[in
     return ids, text, (first - start) * 1e3
 
 
-def run_triton_stage(console: Console, artifact: Path, out_dir: Path, prompt: str, max_tokens: int = 24) -> bool:
+def run_triton_stage(console: Console, artifact: Path, out_dir: Path, prompt: str, max_tokens: int = 16) -> bool:
     """Lower, serve on free 127.0.0.1 ports, compare one greedy stream with the engine; True when equal."""
     from backends.triton.runtime import ServerOptions, TritonServer, free_port, prepare_runtime
     from compiler.lowering import lower
