@@ -40,3 +40,15 @@ def test_bench_engine_counts_tokens_and_requests(tiny_artifact, tmp_path, monkey
             assert 8 <= q["input_tokens"] <= 20
             assert q["time_to_first_token_ms"] <= q["request_latency_ms"]
         assert run["metrics"]["time_per_output_token"]["count"] == 6
+
+
+def test_example_latency_stage_runs_on_an_artifact(tiny_artifact):
+    from rich.console import Console
+
+    from compiler.cli.bench import bench_stage
+
+    console = Console(record=True, width=200)
+    result = bench_stage(console, str(tiny_artifact))
+    assert [r["load"]["concurrency"] for r in result["runs"]] == [1, 4]
+    assert all(r["metrics"]["counts"]["output_tokens"] == 4 * 8 for r in result["runs"])
+    assert "concurrency 4" in console.export_text()

@@ -4,7 +4,7 @@ Per request (``RequestRecord``; a chunk is a stream event carrying tokens):
   time_to_first_token    first chunk's arrival - send time
   request_latency        end of the stream - send time
   time_per_output_token  (request_latency - time_to_first_token) / (output_tokens - 1), requests with
-                         >= 2 output tokens (vLLM's TPOT; genai-perf >= 0.0.8 calls this ITL)
+                         >= 2 output tokens (vLLM's TPOT; genai-perf reports this per-request average as ITL)
   inter_token_latency    every gap between consecutive chunks, pooled over requests (vLLM's ITL)
 Per trial (the window from the first measured send to the last measured end):
   output_token_throughput  output tokens of successful requests / window
