@@ -80,11 +80,11 @@ def main() -> None:
         method, g = args.one.split(":")
         print(json.dumps(run_one(method, int(g), args.samples, args.windows)))
         return
-    rows = [_child("float", 0, args.samples, args.windows)]
-    for g in (int(x) for x in args.groups.split(",")):
-        for method in args.methods.split(","):
-            rows.append(_child(method, g, args.samples, args.windows))
-            print(json.dumps(rows[-1]), flush=True)
+    jobs = [("float", 0)] + [(m, int(g)) for g in args.groups.split(",") for m in args.methods.split(",")]
+    rows = []
+    for method, g in jobs:
+        rows.append(_child(method, g, args.samples, args.windows))
+        print(json.dumps(rows[-1]), flush=True)  # each row as soon as it exists
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     print(markdown_table(rows))

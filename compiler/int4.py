@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from compiler.kernels.w4a16 import triton_available, w4a16_matmul
+from compiler.kernels import triton_available
 from compiler.qlinear import QuantizedLinear, register_format
 
 QMAX = 15
@@ -176,6 +176,8 @@ class Int4Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if x.is_cuda and triton_available():
+            from compiler.kernels.w4a16 import w4a16_matmul
+
             return w4a16_matmul(x, self.qweight, self.scales, self.qzeros, self.in_features, self.group_size, bias)
         # Reference path: unpack -> dequantize -> matmul.
         return F.linear(x, self.dequantized_weight().to(x.dtype), bias)

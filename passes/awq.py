@@ -23,6 +23,8 @@ forward pass over the calibration set. Example::
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from compiler.errors import ConfigError
@@ -211,8 +213,6 @@ class BlockQuantizer:
     def _target_accepts(self, plan: LayerPlan, g: int) -> bool:
         if self.target is None:
             return True
-        from dataclasses import replace
-
         return get_target(self.target).check(plan.name, replace(plan, group_size=g).format(self.opts.zero_point)) is None
 
 

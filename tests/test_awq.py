@@ -206,3 +206,13 @@ def test_cli_prints_one_line_error_for_error_policy(tiny_checkpoint_with_tokeniz
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "in_features 96" in lines[0] and "self_attn.q_proj" in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_example_pipeline_files_validate():
+    from compiler.cli.example import EXAMPLES_DIR, VARIANTS
+
+    files = [f for _, f in VARIANTS if f.startswith("awq")]
+    assert files
+    for f in files:
+        formats = Pipeline(PipelineConfig.from_toml(EXAMPLES_DIR / f)).validate(SMOLLM2_LIKE)
+        assert formats and all(fmt["format"] == "int4" for fmt in formats.values())
