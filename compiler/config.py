@@ -8,6 +8,7 @@ from typing import Any
 from compiler.errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclass
@@ -60,7 +61,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
         """Build from a Hugging Face ``config.json`` dict."""
-        archs = hf.get("architectures") or [hf.get("model_type", "?")]
+        model_type = hf.get("model_type", "?")
+        archs = hf.get("architectures") or [_MODEL_TYPES.get(model_type, model_type)]
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise CheckpointError(

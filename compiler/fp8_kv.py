@@ -69,20 +69,28 @@ def kv_cache_entry(dtype: str, granularity: str, observers: list[KVObserver]) ->
             "k_scale": [scales(o.k_amax) for o in observers], "v_scale": [scales(o.v_amax) for o in observers]}
 
 
-def install_kv_quant(model: nn.Module, entry: dict) -> None:
-    """Give every attention layer of ``model`` the FP8 K/V rounding the manifest entry describes."""
-    config = model.config
+def parse_kv_scales(entry: dict, config) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """Validate a manifest ``kv_cache`` entry: (dtype name, k_scale [L, H], v_scale [L, H]), H = 1 or n_kv_heads."""
     dtype = entry.get("dtype")
     if dtype not in FP8_DTYPES or entry.get("granularity") not in ("per_tensor", "per_head"):
         raise ArtifactError(f"kv_cache entry has dtype {dtype!r}, granularity {entry.get('granularity')!r}; "
                             "expected an FP8 dtype and per_tensor or per_head; recompile the artifact")
     heads = 1 if entry["granularity"] == "per_tensor" else config.n_kv_heads
-    tensors = {}
+    tensors = []
     for key in ("k_scale", "v_scale"):
-        t = torch.tensor(entry.get(key, []), dtype=torch.float32).reshape(len(entry.get(key, [])), -1)
-        if t.shape != (config.n_layers, heads) or not bool((t > 0).all()):
+        try:
+            t = torch.tensor(entry.get(key, []), dtype=torch.float32).reshape(len(entry.get(key, [])), -1)
+        except (TypeError, ValueError, RuntimeError):
+            t = torch.empty(0)
+        if t.shape != (config.n_layers, heads) or not bool((t > 0).all() and torch.isfinite(t).all()):
             raise ArtifactError(f"kv_cache {key} must hold {config.n_layers} layers × {heads} positive scales, "
-                                f"got shape {list(t.shape)}; recompile the artifact")
-        tensors[key] = t
+                                f"got {entry.get(key)!r:.60}; recompile the artifact")
+        tensors.append(t)
+    return dtype, tensors[0], tensors[1]
+
+
+def install_kv_quant(model: nn.Module, entry: dict) -> None:
+    """Give every attention layer of ``model`` the FP8 K/V rounding the manifest entry describes."""
+    dtype, k_scale, v_scale = parse_kv_scales(entry, model.config)
     for i, layer in enumerate(model.layers):
-        layer.self_attn.kv_quant = Fp8KVQuant(dtype, tensors["k_scale"][i], tensors["v_scale"][i])
+        layer.self_attn.kv_quant = Fp8KVQuant(dtype, k_scale[i], v_scale[i])

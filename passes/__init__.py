@@ -1,2 +1,5 @@
-"""Every built-in pass; importing this package registers them with ``compiler.pipeline``."""
-from passes import fp8  # noqa: F401
+"""Built-in passes; each registers itself with ``compiler.pipeline.register_pass`` on import."""
+import passes.awq  # noqa: F401
+import passes.distill  # noqa: F401
+import passes.fp8  # noqa: F401
+import passes.paged_kv  # noqa: F401

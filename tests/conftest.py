@@ -7,6 +7,10 @@ import pytest
 import torch
 
 os.environ.setdefault("QCOMPILE_PROGRESS", "0")
+# OpenAI Triton kernels run in the interpreter on this CPU-only machine. It must be set before any
+# module decorates a kernel with @triton.jit, so it is set here, before the tests import anything.
+# On a GPU host run with TRITON_INTERPRET=0 to test the compiled kernels.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 

@@ -98,6 +98,20 @@ def example_cmd(
     run_example(out, output, windows)
 
 
+# Commands with their own modules (imported here so `qcompile --help` lists them).
+from compiler.cli.bench import app as _bench_app  # noqa: E402
+from compiler.cli.distill import distill_cmd  # noqa: E402
+from compiler.cli.generate import generate_cmd  # noqa: E402
+from compiler.cli.lower import lower_cmd  # noqa: E402
+from compiler.cli.serve import serve_cmd  # noqa: E402
+
+app.command("distill")(distill_cmd)
+app.command("generate")(generate_cmd)
+app.command("lower")(lower_cmd)
+app.command("serve")(serve_cmd)
+app.add_typer(_bench_app, name="bench")
+
+
 def main() -> None:
     try:
         app()

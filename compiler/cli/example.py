@@ -15,7 +15,11 @@ from rich.table import Table
 
 from compiler.artifact import load_artifact
 from compiler.checkpoint import load_checkpoint
+from compiler.cli.bench import bench_stage
+from compiler.cli.example_onnx import run_onnx_stage
+from compiler.cli.example_triton import run_triton_stage
 from compiler.cli.report import artifact_summary
+from compiler.cli.serve_demo import serve_demo
 from compiler.compile import compile_loaded
 from compiler.evaluate import evaluate_perplexity
 from compiler.pipeline import PipelineConfig
@@ -23,7 +27,8 @@ from compiler.pipeline import PipelineConfig
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLE_MODEL = "smollm2"
 # (label, pipeline file) in the order the table shows them; the first is the baseline.
-VARIANTS = [("float", "float.toml"), ("fp8", "fp8.toml")]
+VARIANTS = [("float", "float.toml"), ("awq-g128-32samples", "awq_g128.toml"), ("fp8", "fp8.toml"),
+            ("awq+distill", "awq_distill.toml")]
 PROMPT = "def fibonacci(n):"
 
 
@@ -47,6 +52,11 @@ def run_example(console: Console, out_dir: Path, windows: int) -> list[dict]:
     _print_table(console, rows, windows)
     sample = _greedy_sample(load_artifact(rows[0]["path"]))
     console.print(f"greedy sample from the float artifact: {PROMPT!r} → {sample!r}")
+    # Deployment stages, each on the artifacts compiled above.
+    run_onnx_stage(console, rows, out_dir, PROMPT)
+    serve_demo(console, rows[0]["path"])
+    run_triton_stage(console, Path(rows[0]["path"]), out_dir, PROMPT)
+    bench_stage(console, rows[0]["path"])
     return rows
 
 

@@ -1,0 +1,115 @@
+"""Export a loaded artifact as the two-graph ONNX bundle (see ``compiler/onnx_bundle.py``).
+
+Both graphs reference one external-data file: the prefill graph is saved first with its
+weights moved to ``weights.data``, and the decode graph's weight initializers are replaced by
+the prefill's external references (same names, same offsets), so the weights are on disk once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import torch
+
+from backends.onnx.graph import GraphSpec, build_graph
+from compiler.artifact import atomic_directory_write
+from compiler.checkpoint import LoadedModel
+from compiler.errors import ConfigError
+from compiler.int4 import Int4Linear
+from compiler.model import Transformer
+from compiler.onnx_bundle import DECODE_FILE, PREFILL_FILE, WEIGHTS_FILE, OnnxBundleInfo
+from compiler.qlinear import quantized_modules
+
+EXTERNAL_THRESHOLD = 1024  # bytes: tensors above this go to weights.data
+
+
+@dataclass(frozen=True)
+class OnnxExportOptions:
+    """``max_len``: cache length; ``dtype``: float32|float16; ``batch``: static batch or None."""
+
+    max_len: int = 1024
+    dtype: str = "float32"
+    batch: int | None = None
+    dequantize: bool = False  # export quantized layers as float (dequantized) weights
+
+    def validate(self, model: Transformer) -> None:
+        if self.dtype not in ("float32", "float16"):
+            raise ConfigError(f"ONNX export dtype must be float32 or float16, got {self.dtype!r}")
+        if not 1 <= self.max_len <= model.config.max_seq_len:
+            raise ConfigError(f"--max-len {self.max_len} must be in 1..{model.config.max_seq_len} (the model's max_seq_len)")
+
+
+def layer_exports(model: Transformer, dequantize: bool) -> dict[str, str]:
+    """How each quantized module is exported (the report lists these; float layers stay float)."""
+    out = {}
+    for name, m in quantized_modules(model).items():
+        if isinstance(m, Int4Linear) and not dequantize:
+            out[name] = f"MatMulNBits(bits=4, block_size={m.group_size})"
+        else:
+            how = f"MatMul on the dequantized {m.format_name} weight"
+            # Formats that also quantize activations (fp8 dynamic/static) lose that step: the graph
+            # is weight-only, so its outputs differ from the artifact's by the activation rounding.
+            if getattr(m, "activation_scheme", "none") != "none":
+                how += ", float activations (the artifact's activation quantization is not exported)"
+            out[name] = how
+    return out
+
+
+def export_graphs(model: Transformer, opts: OnnxExportOptions) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """The prefill and decode ModelProtos (weights inline)."""
+    opts.validate(model)
+    common = dict(max_len=opts.max_len, dtype=opts.dtype, batch=opts.batch, dequantize=opts.dequantize)
+    prefill = build_graph(model, GraphSpec("prefill", **common))  # T dynamic (ATC: gears)
+    decode = build_graph(model, GraphSpec("decode", seq=1 if opts.batch is not None else None, **common))
+    return prefill, decode
+
+
+def save_graphs(prefill: onnx.ModelProto, decode: onnx.ModelProto, directory: Path) -> None:
+    """Write both graphs into ``directory`` sharing ``weights.data``, then run the checker on each."""
+    prefill_path, decode_path = directory / PREFILL_FILE, directory / DECODE_FILE
+    onnx.save_model(prefill, str(prefill_path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=WEIGHTS_FILE, size_threshold=EXTERNAL_THRESHOLD)
+    saved = onnx.load(str(prefill_path), load_external_data=False)
+    external = {t.name: t for t in saved.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    for t in decode.graph.initializer:
+        if t.name in external:
+            t.CopyFrom(external[t.name])
+    missing = [t.name for t in decode.graph.initializer
+               if t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) > EXTERNAL_THRESHOLD]
+    if missing:  # a decode-only weight would silently bloat decode.onnx; the graphs are built to share
+        raise RuntimeError(f"decode graph has weights the prefill graph lacks: {missing[:3]}")
+    onnx.save_model(decode, str(decode_path))
+    for path in (prefill_path, decode_path):
+        onnx.checker.check_model(str(path))
+
+
+def bundle_info(loaded: LoadedModel, opts: OnnxExportOptions, target: str, extras: dict | None = None) -> OnnxBundleInfo:
+    c = loaded.model.config
+    return OnnxBundleInfo(target=target, dtype=opts.dtype, max_len=opts.max_len, n_layers=c.n_layers,
+                          n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, vocab_size=c.vocab_size, batch=opts.batch,
+                          eos_token_ids=c.eos_token_ids, tokenizer=loaded.tokenizer is not None,
+                          layers=layer_exports(loaded.model, opts.dequantize), extras=extras or {})
+
+
+def write_bundle_files(directory: Path, loaded: LoadedModel, graphs, info: OnnxBundleInfo) -> None:
+    """Graphs, bundle.json and tokenizer into an (already temporary) directory."""
+    save_graphs(*graphs, directory)
+    info.write(directory)
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save_pretrained(str(directory))
+
+
+def default_dtype(model: Transformer) -> str:
+    """The artifact's dtype where ONNX Runtime's CPU kernels have it; bfloat16 exports as float32."""
+    dtype = next(model.parameters(), None)
+    dtype = dtype.dtype if dtype is not None else torch.float32
+    return "float16" if dtype == torch.float16 else "float32"
+
+
+def export_onnx(loaded: LoadedModel, out: str | Path, opts: OnnxExportOptions, force: bool = False) -> OnnxBundleInfo:
+    """Lower ``loaded`` to an ONNX Runtime bundle in ``out`` (written atomically)."""
+    graphs = export_graphs(loaded.model, opts)
+    info = bundle_info(loaded, opts, "onnx")
+    atomic_directory_write(Path(out), lambda tmp: write_bundle_files(tmp, loaded, graphs, info), force)
+    return info

@@ -1,0 +1,282 @@
+"""Build the decoder as an ONNX graph with ``onnx.helper``, straight from the model's modules.
+
+Two graphs share one set of weights (see ``export.py``):
+
+    prefill  input_ids [B, T] -> logits [B, T, V], present_key.i / present_value.i [B, Hkv, L, D]
+    decode   input_ids [B, T], past_len int64 [1], past_key.i / past_value.i [B, Hkv, L, D]
+             -> logits [B, T, V], present_key.i / present_value.i [B, Hkv, L, D]
+
+L is the cache's maximum length (contiguous layout, position p lives at index p). Prefill writes
+the new keys at 0..T-1 and zero-pads to L; decode writes them at past_len..past_len+T-1 with
+Slice + Concat (or, when T is statically 1 as for ATC, with a Where on a one-slot mask, which
+keeps every shape static) and attends over all L keys under a mask (key j visible when j <= the query's
+position, and within the sliding window when the model has one). Building the graph by hand
+rather than through torch.onnx.export keeps every op on a short, known list — which ATC needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import torch
+import torch.nn as nn
+from onnx import TensorProto, helper, numpy_helper
+
+from compiler.int4 import Int4Linear
+from compiler.model import Transformer
+from compiler.qlinear import QuantizedLinear
+
+OPSET = 17
+MS_DOMAIN = "com.microsoft"
+NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """What to build: ``kind`` prefill|decode; ``batch``/``seq`` None means a dynamic dim.
+
+    ``dequantize`` exports every quantized layer as a float MatMul of its dequantized weight
+    (the Ascend path); otherwise INT4 layers become com.microsoft ``MatMulNBits``.
+    """
+
+    kind: str
+    max_len: int
+    dtype: str = "float32"
+    batch: int | None = None
+    seq: int | None = None
+    dequantize: bool = False
+
+
+class GraphBuilder:
+    """Collects nodes and initializers; weights are kept apart so two graphs can share them."""
+
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+        self.np_dtype = NP_DTYPES[dtype]
+        self.nodes: list[onnx.NodeProto] = []
+        self.consts: list[onnx.TensorProto] = []
+        self.weights: dict[str, onnx.TensorProto] = {}
+        self._count = 0
+
+    def op(self, op_type: str, inputs: list[str], scope: str, n_out: int = 1, domain: str = "", **attrs):
+        """Add a node named ``{scope}/{op_type}_{k}``; returns its output name(s)."""
+        self._count += 1
+        name = f"{scope}/{op_type}_{self._count}"
+        outputs = [f"{name}:{i}" for i in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outputs, name=name, domain=domain, **attrs))
+        return outputs[0] if n_out == 1 else outputs
+
+    def const(self, value, scope: str, dtype=None) -> str:
+        """A small graph-specific constant (int64 by default for shapes and indices)."""
+        self._count += 1
+        name = f"{scope}/const_{self._count}"
+        self.consts.append(numpy_helper.from_array(np.asarray(value, dtype=dtype or np.int64), name))
+        return name
+
+    def fconst(self, value, scope: str) -> str:
+        return self.const(value, scope, self.np_dtype)
+
+    def weight(self, name: str, tensor: torch.Tensor | np.ndarray, dtype=None) -> str:
+        if name not in self.weights:
+            array = tensor.detach().cpu().numpy() if isinstance(tensor, torch.Tensor) else tensor
+            self.weights[name] = numpy_helper.from_array(np.ascontiguousarray(array.astype(dtype or self.np_dtype)), name)
+        return name
+
+    def fweight(self, name: str, tensor: torch.Tensor) -> str:
+        """A float weight in the graph's dtype (converted through float32)."""
+        return self.weight(name, tensor.detach().float().cpu().numpy())
+
+
+def linear(b: GraphBuilder, x: str, module: nn.Module, name: str, dequantize: bool) -> str:
+    """x [B, T, K] -> [B, T, N] for an nn.Linear, Int4Linear (MatMulNBits) or other QuantizedLinear."""
+    if isinstance(module, Int4Linear) and not dequantize:
+        # The packed buffers already are MatMulNBits' B / scales / zero_points: no re-quantization.
+        inputs = [x, b.weight(f"{name}.qweight", module.qweight, np.uint8),
+                  b.fweight(f"{name}.scales", module.scales.reshape(-1)),
+                  b.weight(f"{name}.qzeros", module.qzeros.reshape(-1), np.uint8)]
+        y = b.op("MatMulNBits", inputs, name, domain=MS_DOMAIN, K=module.in_features, N=module.out_features,
+                 bits=4, block_size=module.group_size)
+    else:
+        w = module.dequantized_weight() if isinstance(module, QuantizedLinear) else module.weight
+        y = b.op("MatMul", [x, b.fweight(f"{name}.weight_t", w.t())], name)
+    if getattr(module, "bias", None) is not None:
+        y = b.op("Add", [y, b.fweight(f"{name}.bias", module.bias)], name)
+    return y
+
+
+def rms_norm(b: GraphBuilder, x: str, module: nn.Module, name: str) -> str:
+    # Normalise in float32 like the torch model, then cast back before the weight.
+    h = b.op("Cast", [x], name, to=TensorProto.FLOAT) if b.dtype != "float32" else x
+    ms = b.op("ReduceMean", [b.op("Mul", [h, h], name)], name, axes=[-1], keepdims=1)
+    eps = b.const(np.float32(module.eps), name, np.float32)
+    h = b.op("Mul", [h, b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [ms, eps], name)], name)], name)], name)
+    if b.dtype != "float32":
+        h = b.op("Cast", [h], name, to=ONNX_DTYPES[b.dtype])
+    return b.op("Mul", [b.fweight(f"{name}.weight", module.weight), h], name)
+
+
+def rope(b: GraphBuilder, x: str, cos: str, sin: str, half: int, scope: str) -> str:
+    """x [B, H, T, D] * cos + rotate_half(x) * sin, with cos/sin [T, D]."""
+    axis = b.const([-1], scope)
+    x1 = b.op("Slice", [x, b.const([0], scope), b.const([half], scope), axis], scope)
+    x2 = b.op("Slice", [x, b.const([half], scope), b.const([2 * half], scope), axis], scope)
+    rotated = b.op("Concat", [b.op("Neg", [x2], scope), x1], scope, axis=-1)
+    return b.op("Add", [b.op("Mul", [x, cos], scope), b.op("Mul", [rotated, sin], scope)], scope)
+
+
+class DecoderGraph:
+    """Emits one graph (prefill or decode) for ``model`` according to ``spec``."""
+
+    def __init__(self, model: Transformer, spec: GraphSpec, builder: GraphBuilder | None = None):
+        self.model, self.spec, self.c = model, spec, model.config
+        self.b = builder or GraphBuilder(spec.dtype)
+        self.decode = spec.kind == "decode"
+        self._key_pos: str | None = None  # decode: Range(0, L), every cache slot
+        self._slot: str | None = None
+
+    def build(self) -> onnx.ModelProto:
+        b, spec = self.b, self.spec
+        x = b.op("Gather", [b.fweight("embed_tokens.weight", self.model.embed_tokens.weight), "input_ids"], "/embed")
+        positions = self._positions()
+        cos, sin = self._rope_tables(positions)
+        mask = self._mask(positions)
+        outputs = []
+        for i, layer in enumerate(self.model.layers):
+            x, present = self._layer(x, layer, i, cos, sin, mask)
+            outputs += present
+        x = rms_norm(b, x, self.model.norm, "norm")
+        logits = linear(b, x, self.model.lm_head, "lm_head", spec.dequantize)
+        b.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="/logits/Identity"))
+        return self._model(outputs)
+
+    # -- graph-wide values ------------------------------------------------------------------
+    def _positions(self) -> str:
+        """Absolute positions [T] of this call's tokens: past_len + arange(T)."""
+        b = self.b
+        seq = b.op("Gather", [b.op("Shape", ["input_ids"], "/positions"), b.const(1, "/positions")], "/positions", axis=0)
+        pos = b.op("Range", [b.const(0, "/positions"), seq, b.const(1, "/positions")], "/positions")
+        return b.op("Add", [pos, "past_len"], "/positions") if self.decode else pos
+
+    def _rope_tables(self, positions: str) -> tuple[str, str]:
+        # The table is the torch model's own rope() over every cache position, so values match bit for bit.
+        table_pos = torch.arange(self.spec.max_len)[None]
+        cos, sin = self.model.rope(table_pos, torch.float32)  # [1, 1, L, D]
+        b = self.b
+        cos_t = b.fweight("rope.cos", cos[0, 0])
+        sin_t = b.fweight("rope.sin", sin[0, 0])
+        return (b.op("Gather", [cos_t, positions], "/rope", axis=0), b.op("Gather", [sin_t, positions], "/rope", axis=0))
+
+    def _mask(self, positions: str) -> str:
+        """Boolean [T, Lk]: key j is visible to query t when 0 <= pos[t] - j (< window)."""
+        b = self.b
+        key_pos = positions
+        if self.decode:  # every cache slot; built in-graph so no large constant sits outside the shared weights
+            key_pos = b.op("Range", [b.const(0, "/mask"), b.const(self.spec.max_len, "/mask"), b.const(1, "/mask")], "/mask")
+            self._key_pos = key_pos
+        diff = b.op("Sub", [b.op("Unsqueeze", [positions, b.const([1], "/mask")], "/mask"),
+                            b.op("Unsqueeze", [key_pos, b.const([0], "/mask")], "/mask")], "/mask")
+        mask = b.op("GreaterOrEqual", [diff, b.const(0, "/mask")], "/mask")
+        if self.c.sliding_window is not None:
+            inside = b.op("Less", [diff, b.const(self.c.sliding_window, "/mask")], "/mask")
+            mask = b.op("And", [mask, inside], "/mask")
+        return mask
+
+    # -- one decoder layer ------------------------------------------------------------------
+    def _layer(self, x: str, layer: nn.Module, i: int, cos: str, sin: str, mask: str) -> tuple[str, list[str]]:
+        b, p = self.b, f"layers.{i}"
+        attn_out, present = self._attention(rms_norm(b, x, layer.input_layernorm, f"{p}.input_layernorm"),
+                                            layer.self_attn, i, cos, sin, mask)
+        h = b.op("Add", [x, attn_out], p)
+        m = self._mlp(rms_norm(b, h, layer.post_attention_layernorm, f"{p}.post_attention_layernorm"), layer.mlp, f"{p}.mlp")
+        return b.op("Add", [h, m], p), present
+
+    def _heads(self, x: str, n_heads: int, scope: str) -> str:
+        """[B, T, H*D] -> [B, H, T, D]."""
+        b = self.b
+        x = b.op("Reshape", [x, b.const([0, 0, n_heads, self.c.head_dim], scope)], scope)
+        return b.op("Transpose", [x], scope, perm=[0, 2, 1, 3])
+
+    def _attention(self, x: str, attn: nn.Module, i: int, cos: str, sin: str, mask: str):
+        b, c, p, dq = self.b, self.c, f"layers.{i}.self_attn", self.spec.dequantize
+        hd, n_rep = c.head_dim, c.n_heads // c.n_kv_heads
+        q = rope(b, self._heads(linear(b, x, attn.q_proj, f"{p}.q_proj", dq), c.n_heads, p), cos, sin, hd // 2, p)
+        k = rope(b, self._heads(linear(b, x, attn.k_proj, f"{p}.k_proj", dq), c.n_kv_heads, p), cos, sin, hd // 2, p)
+        v = self._heads(linear(b, x, attn.v_proj, f"{p}.v_proj", dq), c.n_kv_heads, p)
+        k_all, v_all = self._cache_write(k, f"key.{i}", p), self._cache_write(v, f"value.{i}", p)
+        keys, values = (k_all, v_all) if self.decode else (k, v)
+        # Grouped-query attention by broadcasting: q [B, Hkv, rep, T, D] against k [B, Hkv, 1, Lk, D].
+        qg = b.op("Reshape", [q, b.const([0, c.n_kv_heads, n_rep, -1, hd], p)], p)
+        kt = b.op("Transpose", [b.op("Unsqueeze", [keys, b.const([2], p)], p)], p, perm=[0, 1, 2, 4, 3])
+        scores = b.op("Mul", [b.op("MatMul", [qg, kt], p), b.fconst(1.0 / np.sqrt(hd), p)], p)
+        scores = b.op("Where", [mask, scores, b.fconst(np.finfo(b.np_dtype).min, p)], p)
+        probs = b.op("Softmax", [scores], p, axis=-1)
+        out = b.op("MatMul", [probs, b.op("Unsqueeze", [values, b.const([2], p)], p)], p)  # [B, Hkv, rep, T, D]
+        out = b.op("Reshape", [out, b.const([0, c.n_heads, -1, hd], p)], p)
+        out = b.op("Transpose", [out], p, perm=[0, 2, 1, 3])
+        out = b.op("Reshape", [out, b.const([0, 0, c.n_heads * hd], p)], p)
+        return linear(b, out, attn.o_proj, f"{p}.o_proj", dq), [f"present_key.{i}", f"present_value.{i}"]
+
+    def _cache_write(self, new: str, which: str, scope: str) -> str:
+        """The cache after this call, [B, Hkv, L, D], emitted as graph output ``present_{which}``."""
+        b, L = self.b, self.spec.max_len
+        if self.decode and self.spec.seq == 1:
+            # One token at static shapes: select slot past_len by mask. Slice/Concat at past_len
+            # would give data-dependent shapes, which ATC's static .om graphs cannot hold.
+            out = b.op("Where", [self._slot_mask(), new, f"past_{which}"], scope)
+        else:
+            seq = b.op("Gather", [b.op("Shape", [new], scope), b.const([2], scope)], scope, axis=0)
+            if self.decode:
+                axis = b.const([2], scope)
+                before = b.op("Slice", [f"past_{which}", b.const([0], scope), "past_len", axis], scope)
+                after = b.op("Slice", [f"past_{which}", b.op("Add", ["past_len", seq], scope), b.const([L], scope), axis], scope)
+                out = b.op("Concat", [before, new, after], scope, axis=2)
+            else:
+                pad_end = b.op("Sub", [b.const([L], scope), seq], scope)
+                pads = b.op("Concat", [b.const([0, 0, 0, 0, 0, 0], scope), pad_end, b.const([0], scope)], scope, axis=0)
+                out = b.op("Pad", [new, pads], scope)
+        b.nodes.append(helper.make_node("Identity", [out], [f"present_{which}"], name=f"{scope}/present_{which}"))
+        return out
+
+    def _slot_mask(self) -> str:
+        """Boolean [1, 1, L, 1], true at cache slot past_len (built once, shared by every layer)."""
+        if self._slot is None:
+            b = self.b
+            slot = b.op("Equal", [self._key_pos, "past_len"], "/slot")
+            self._slot = b.op("Reshape", [slot, b.const([1, 1, self.spec.max_len, 1], "/slot")], "/slot")
+        return self._slot
+
+    def _mlp(self, x: str, mlp: nn.Module, p: str) -> str:
+        b, dq = self.b, self.spec.dequantize
+        gate = linear(b, x, mlp.gate_proj, f"{p}.gate_proj", dq)
+        act = b.op("Mul", [gate, b.op("Sigmoid", [gate], p)], p)  # SiLU
+        return linear(b, b.op("Mul", [act, linear(b, x, mlp.up_proj, f"{p}.up_proj", dq)], p), mlp.down_proj, f"{p}.down_proj", dq)
+
+    # -- model proto ------------------------------------------------------------------------
+    def _model(self, present: list[str]) -> onnx.ModelProto:
+        c, spec, dt = self.c, self.spec, ONNX_DTYPES[self.spec.dtype]
+        batch = spec.batch if spec.batch is not None else "batch"
+        seq = spec.seq if spec.seq is not None else "seq"
+        cache_shape = [batch, c.n_kv_heads, spec.max_len, c.head_dim]
+        inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [batch, seq])]
+        if self.decode:
+            inputs.append(helper.make_tensor_value_info("past_len", TensorProto.INT64, [1]))
+            for i in range(c.n_layers):
+                inputs += [helper.make_tensor_value_info(f"past_{w}.{i}", dt, cache_shape) for w in ("key", "value")]
+        outputs = [helper.make_tensor_value_info("logits", dt, [batch, seq, c.vocab_size])]
+        outputs += [helper.make_tensor_value_info(name, dt, cache_shape) for name in present]
+        graph = helper.make_graph(self.b.nodes, f"qcompile_{spec.kind}", inputs, outputs,
+                                  initializer=list(self.b.weights.values()) + self.b.consts)
+        opsets = [helper.make_opsetid("", OPSET)]
+        if any(n.domain == MS_DOMAIN for n in self.b.nodes):
+            opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="qcompile")
+        model.ir_version = 8  # ONNX 1.12-era IR: what ATC and older runtimes read
+        return model
+
+
+def build_graph(model: Transformer, spec: GraphSpec) -> onnx.ModelProto:
+    """The ONNX model for ``spec`` (weights inline; ``export.py`` moves them to external data)."""
+    with torch.no_grad():
+        return DecoderGraph(model, spec).build()

@@ -1,0 +1,41 @@
+"""Triton Inference Server target: lowering (``lower.py``), the served model (``model.py``), the server (``runtime.py``).
+
+Registers the ``triton`` target: the model runs the qcompile engine inside Triton's Python
+backend, so it runs the weight formats the engine runs (``SUPPORTED``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from compiler.int4 import GROUP_SIZES
+from compiler.lowering import register_lowering
+from compiler.options import parse_options
+from compiler.targets import TargetSpec, register_target
+
+# Weight format -> allowed group sizes (None: the format has no groups).
+SUPPORTED: dict[str, tuple[int, ...] | None] = {
+    "int4": GROUP_SIZES,  # AWQ's packed INT4 (compiler/int4.py), every group size its kernels take
+    "fp8": None,  # E4M3/E5M2 weights, with or without FP8 activations (compiler/fp8.py)
+}
+
+
+def check_module(module: str, fmt: dict) -> str | None:
+    """None when the Triton model can run ``module`` stored as ``fmt``, else why not."""
+    name = fmt.get("format")
+    if name not in SUPPORTED:
+        return f"weight format {name!r} (Triton runs float, {', '.join(SUPPORTED)})"
+    groups = SUPPORTED[name]
+    if groups is not None and fmt.get("group_size") not in groups:
+        return f"{name} group size {fmt.get('group_size')} (Triton's INT4 kernels take {', '.join(map(str, groups))})"
+    return None
+
+
+def _lower(artifact: Path, out: Path, options: dict, force: bool) -> Path:
+    from backends.triton.lower import LowerOptions, lower_triton
+
+    return lower_triton(artifact, out, parse_options(LowerOptions, options, "triton"), force)
+
+
+register_target(TargetSpec("triton", "Triton Inference Server, Python backend running the qcompile engine (CPU or CUDA)",
+                           check_module))
+register_lowering("triton", _lower)

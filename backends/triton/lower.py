@@ -1,0 +1,141 @@
+"""Lowering an artifact to a Triton Inference Server model repository.
+
+    REPO/
+      <name>/
+        config.pbtxt        Python backend, decoupled, generate-extension inputs/outputs
+        1/model.py          backends/triton/model.py, copied: loads the engine once
+        1/artifact/         the artifact (hard links where possible), so the repository is
+                            self-contained and can be baked into a container image
+
+The generate-extension names follow Triton's vLLM backend, so stock clients (the
+``/generate`` and ``/generate_stream`` endpoints, gRPC streams) work unchanged.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from compiler.artifact import atomic_directory_write, read_manifest
+from compiler.targets import check_formats
+
+MODEL_SOURCE = Path(__file__).with_name("model.py")
+# Triton instance kind per device: it has no NPU kind, so on Ascend the model places itself (KIND_MODEL).
+DEVICES = {"cpu": "KIND_CPU", "cuda": "KIND_GPU", "npu": "KIND_MODEL"}
+
+# (name, Triton type, dims, optional) in the order clients see them.
+INPUTS = [
+    ("text_input", "TYPE_STRING", [1], True),
+    ("input_ids", "TYPE_INT32", [-1], True),  # token ids instead of text (benchmarks use exact lengths)
+    ("max_tokens", "TYPE_INT32", [1], True),
+    ("temperature", "TYPE_FP32", [1], True),
+    ("top_k", "TYPE_INT32", [1], True),
+    ("top_p", "TYPE_FP32", [1], True),
+    ("seed", "TYPE_INT64", [1], True),
+    ("stop", "TYPE_STRING", [-1], True),
+    ("ignore_eos", "TYPE_BOOL", [1], True),
+    ("stream", "TYPE_BOOL", [1], True),
+]
+OUTPUTS = [
+    ("text_output", "TYPE_STRING", [-1]),
+    ("token_ids", "TYPE_INT32", [-1]),
+    ("finish_reason", "TYPE_STRING", [-1]),
+]
+# Kernels the engine runs per weight format on CUDA hosts (recorded, and checked at load).
+CUDA_KERNELS = {"int4": "w4a16_int4_gemm", "fp8": "fp8_gemm"}
+
+
+@dataclass(frozen=True)
+class LowerOptions:
+    device: str = "cpu"  # cpu: KIND_CPU; cuda: KIND_GPU (H100); npu: KIND_MODEL (Ascend, torch_npu)
+    name: str | None = None  # model name in the repository; default: the artifact folder's name
+    instances: int = 1  # one engine per instance; the engine itself batches all requests
+    max_tokens_limit: int | None = None  # default: the model's context length
+
+    def __post_init__(self):
+        if self.device not in DEVICES:
+            raise ValueError(f"unknown device {self.device!r}; use one of {', '.join(DEVICES)}")
+        if self.name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+            raise ValueError(f"model name {self.name!r}: use letters, digits, '_', '-', '.'")
+        if self.instances < 1:
+            raise ValueError(f"instances must be >= 1, got {self.instances}")
+
+
+def precision_and_kernels(manifest: dict, device: str) -> tuple[str, list[str]]:
+    """What the repository expects to run: the artifact's precision and, per device, the kernels."""
+    formats = sorted({m["format"] for m in manifest.get("modules", {}).values()})
+    precision = "+".join([manifest.get("dtype", "float32"), *formats])
+    if device != "cuda":
+        return precision, ["torch"]  # the engine's torch reference paths (torch_npu kernels on Ascend)
+    kernels = [CUDA_KERNELS.get(f.split("_")[0], f"{f}_gemm") for f in formats]
+    return precision, sorted(set(kernels)) + ["paged_attention_decode"]
+
+
+def _tensor_block(kind: str, name: str, dtype: str, dims: list[int], optional: bool | None) -> str:
+    lines = [f'    name: "{name}"', f"    data_type: {dtype}", f"    dims: [ {', '.join(map(str, dims))} ]"]
+    if optional:
+        lines.append("    optional: true")
+    return "  {\n" + "\n".join(lines) + "\n  }"
+
+
+def config_pbtxt(name: str, opts: LowerOptions, manifest: dict, artifact_param: str) -> str:
+    """The model configuration (protobuf text) for ``name``."""
+    precision, kernels = precision_and_kernels(manifest, opts.device)
+    max_ctx = manifest["model_config"]["max_seq_len"]
+    params = {
+        "artifact": artifact_param,
+        "device": opts.device,
+        "precision": precision,
+        "kernels": ",".join(kernels),
+        "max_tokens_limit": str(opts.max_tokens_limit or max_ctx),
+    }
+    inputs = ",\n".join(_tensor_block("input", n, t, d, o) for n, t, d, o in INPUTS)
+    outputs = ",\n".join(_tensor_block("output", n, t, d, None) for n, t, d in OUTPUTS)
+    kind = DEVICES[opts.device]
+    param_lines = "\n".join(f'parameters: {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items())
+    return f"""# Written by 'qcompile lower --target triton'; the engine batches requests itself (max_batch_size 0).
+name: "{name}"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy {{ decoupled: true }}
+input [
+{inputs}
+]
+output [
+{outputs}
+]
+instance_group [ {{ count: {opts.instances} kind: {kind} }} ]
+{param_lines}
+"""
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def lower_triton(artifact: str | Path, out: str | Path, opts: LowerOptions = LowerOptions(), force: bool = False) -> Path:
+    """Write the model ``out/<name>`` for ``artifact`` (atomically) and return its folder.
+
+    ``out`` is a model repository: it may already hold other models, which are left alone, so
+    several artifacts (float, INT4, FP8) can be served side by side by one server.
+    """
+    artifact = Path(artifact)
+    manifest = read_manifest(artifact)
+    check_formats("triton", manifest.get("modules", {}), str(artifact))
+    name = opts.name or re.sub(r"[^A-Za-z0-9_.-]", "_", artifact.resolve().name)
+
+    def write(tmp: Path):
+        version = tmp / "1"
+        version.mkdir()
+        shutil.copytree(artifact, version / "artifact", copy_function=_link_or_copy)
+        shutil.copy2(MODEL_SOURCE, version / "model.py")
+        (tmp / "config.pbtxt").write_text(config_pbtxt(name, opts, manifest, "artifact"))
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    atomic_directory_write(Path(out) / name, write, force)
+    return Path(out) / name

@@ -1,0 +1,108 @@
+"""AWQ vs round-to-nearest INT4 on SmolLM2-135M: perplexity, quantization time, peak memory.
+
+    python benchmarks/awq_quality.py                       # float, RTN and AWQ at g128-fallback, g64, g32
+    python benchmarks/awq_quality.py --groups 64 --samples 128 --windows 16
+
+Protocol: pydoc corpus, calibration ``--samples`` × 512 tokens (seed 0), perplexity on the first
+``--windows`` 512-token evaluation windows (``calib.protocol``). Each (method, group size) runs in
+its own subprocess so its wall time, CPU time (user + system, all threads) and peak RSS are its
+own. "AWQ share of RTN's increase" = (ppl_awq - ppl_float) / (ppl_rtn - ppl_float).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def run_one(method: str, group_size: int, samples: int, windows: int) -> dict:
+    """Load SmolLM2, quantize it with ``method`` (float | rtn | awq), evaluate; one JSON row."""
+    import torch
+
+    from compiler.checkpoint import load_checkpoint
+    from compiler.evaluate import evaluate_perplexity
+    from compiler.int4 import Int4Linear
+    from compiler.pipeline import PassContext, Pipeline, PipelineConfig
+    from passes.awq_plan import AWQOptions, plan_layers
+
+    loaded = load_checkpoint("smollm2")
+    model = loaded.model
+    wall, cpu = time.perf_counter(), _cpu_s()
+    if method == "rtn":  # same layers and group-size fallback as AWQ, no search
+        plans, _ = plan_layers(model.config, AWQOptions(group_size=group_size))
+        for name, plan in plans.items():
+            model.set_submodule(name, Int4Linear.from_float(model.get_submodule(name), plan.group_size))
+    elif method == "awq":
+        config = PipelineConfig.from_dict({"calibration": {"samples": samples, "seq_len": 512},
+                                           "passes": [{"name": "awq", "group_size": group_size}]})
+        pipeline = Pipeline(config)
+        pipeline.validate(model.config)
+        context = PassContext(tokenizer=loaded.tokenizer, calibration=config.calibration)
+        with torch.no_grad():
+            pipeline.run(model, context)
+    quant_wall, quant_cpu = time.perf_counter() - wall, _cpu_s() - cpu
+    ppl = evaluate_perplexity(loaded, "pydoc", windows)["ppl"]
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"method": method, "group_size": group_size, "ppl": ppl, "quant_wall_s": quant_wall,
+            "quant_cpu_s": quant_cpu, "peak_rss_mib": peak_mib, "samples": samples, "windows": windows}
+
+
+def _child(method: str, group_size: int, samples: int, windows: int) -> dict:
+    cmd = [sys.executable, __file__, "--one", f"{method}:{group_size}", "--samples", str(samples), "--windows", str(windows)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode:
+        raise SystemExit(f"{method} g{group_size} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--groups", default="128,64,32", help="group sizes (128 falls back to 64 where it does not divide)")
+    ap.add_argument("--methods", default="rtn,awq")
+    ap.add_argument("--samples", type=int, default=128)
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        method, g = args.one.split(":")
+        print(json.dumps(run_one(method, int(g), args.samples, args.windows)))
+        return
+    rows = [_child("float", 0, args.samples, args.windows)]
+    for g in (int(x) for x in args.groups.split(",")):
+        for method in args.methods.split(","):
+            rows.append(_child(method, g, args.samples, args.windows))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    print(markdown_table(rows))
+
+
+def markdown_table(rows: list[dict]) -> str:
+    base = rows[0]["ppl"]
+    rtn = {r["group_size"]: r["ppl"] for r in rows if r["method"] == "rtn"}
+    lines = ["| method | group size | perplexity | AWQ share of RTN's increase | quantize wall s | quantize CPU s | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        g = "-" if r["method"] == "float" else ("128 (64 where 128 does not divide)" if r["group_size"] == 128 else str(r["group_size"]))
+        share = ""
+        if r["method"] == "awq" and r["group_size"] in rtn:
+            share = f"{(r['ppl'] - base) / (rtn[r['group_size']] - base):.2f}"
+        lines.append(f"| {r['method']} | {g} | {r['ppl']:.3f} | {share} | {r['quant_wall_s']:.1f} | {r['quant_cpu_s']:.1f} | {r['peak_rss_mib']:.0f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Distillation figures on the built-in SmolLM2-135M (issue 8). Run from the repository root:
+
+    python benchmarks/distill_smollm2.py qat --steps 200            # AWQ INT4 g128-fallback student, QAT by KD
+    python benchmarks/distill_smollm2.py half --steps 100           # half-depth student: KD vs CE-only
+    python benchmarks/distill_smollm2.py memory --steps 4           # tokens/s and peak memory, with/without checkpointing
+
+Held-out text: the pydoc evaluation region (the training corpus's last 30%, never trained on) and
+"stdlib-docs", a corpus this script assembles from the docstrings of a fixed list of standard-library
+modules (present on any CPython 3.11; never trained on, its evaluation region is used). Results are
+written as JSON under --out and printed as one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import importlib
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from compiler.checkpoint import load_checkpoint  # noqa: E402
+from compiler.int4 import Int4Linear  # noqa: E402
+from compiler.qlinear import linear_modules  # noqa: E402
+from passes.distill import DistillOptions, run_distillation  # noqa: E402
+from passes.distill.students import keep_layers_student  # noqa: E402
+
+STDLIB_MODULES = ("argparse", "asyncio.events", "collections", "concurrent.futures", "contextlib", "csv", "dataclasses",
+                  "datetime", "decimal", "email.message", "functools", "heapq", "http.client", "inspect", "itertools",
+                  "json", "logging", "multiprocessing.pool", "os", "pathlib", "pickle", "re", "shutil", "socket",
+                  "sqlite3", "statistics", "string", "subprocess", "tarfile", "threading", "typing", "unittest.case",
+                  "urllib.parse", "uuid", "zipfile")
+
+
+def stdlib_docs_corpus(path: Path) -> str:
+    """Module, class and function docstrings of ``STDLIB_MODULES`` -> a .txt corpus spec."""
+    parts = []
+    for name in STDLIB_MODULES:
+        module = importlib.import_module(name)
+        parts.append(inspect.getdoc(module) or "")
+        for attr, obj in sorted(vars(module).items()):
+            if not attr.startswith("_") and getattr(obj, "__module__", None) == name and (inspect.isclass(obj) or inspect.isfunction(obj)):
+                doc = inspect.getdoc(obj)
+                if doc:
+                    parts.append(f"{attr}\n{doc}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text("\n\n".join(p for p in parts if p))
+    os.replace(tmp, path)  # concurrent runs never read a half-written file
+    return str(path)
+
+
+def int4_student(teacher, group_size: int = 128, fallback: int = 64):
+    """RTN INT4 of every projection (lm_head, tied to the embedding, stays float); g128, or g64 where K % 128 != 0."""
+    student = copy.deepcopy(teacher)
+    for name, m in linear_modules(student).items():
+        if name != "lm_head":
+            g = group_size if m.in_features % group_size == 0 else fallback
+            student.set_submodule(name, Int4Linear.from_float(m, g))
+    return student
+
+
+def awq_student(teacher, tokenizer, samples: int, seq_len: int):
+    """The AWQ pass (g128, group_size_policy "fallback": g64 where 128 does not divide K; lm_head float)."""
+    import passes  # noqa: F401  (registers awq)
+    from calib import CalibrationConfig
+    from compiler.pipeline import PassContext, Pipeline, PipelineConfig
+
+    config = PipelineConfig.from_dict({"calibration": {"samples": samples, "seq_len": seq_len},
+                                       "passes": [{"name": "awq", "group_size": 128, "group_size_policy": "fallback"}]})
+    student = copy.deepcopy(teacher)
+    pipeline = Pipeline(config)
+    pipeline.validate(student.config)
+    pipeline.run(student, PassContext(tokenizer=tokenizer, calibration=config.calibration))
+    return student
+
+
+def _options(args, out: Path, **kw) -> DistillOptions:
+    return DistillOptions(steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=kw.pop("lr", args.lr),
+                          eval_windows=args.eval_windows, eval_len=args.eval_len, heldout=[args.second],
+                          checkpoint_every=0, output_dir=str(out), freeze_embeddings=True, **kw)
+
+
+def run_qat(args, teacher, tokenizer) -> dict:
+    if args.student == "awq":
+        student = awq_student(teacher, tokenizer, args.awq_samples, args.awq_seq_len)
+        label = f"AWQ INT4 g128 fallback (calibration {args.awq_samples} x {args.awq_seq_len} pydoc-pool tokens)"
+    else:
+        student, label = int4_student(teacher), "RTN INT4 g128 (g64 fallback)"
+    outcome = run_distillation(teacher, student, tokenizer, _options(args, args.out / "qat"))
+    return {"student": f"{label}, lm_head float; embeddings frozen", **outcome.metrics}
+
+
+def run_half(args, teacher, tokenizer) -> dict:
+    keep = list(range(0, teacher.config.n_layers, 2))
+    results = {}
+    for label, kw in (("kd", {}), ("ce_only", dict(alpha=0.0, beta=0.0, gamma=1.0))):
+        student = keep_layers_student(teacher, keep)
+        outcome = run_distillation(teacher, student, tokenizer, _options(args, args.out / f"half-{label}", lr=args.half_lr, **kw))
+        results[label] = outcome.metrics
+    return {"student": f"keep_layers {keep}", **results}
+
+
+def run_memory(args, teacher, tokenizer) -> dict:
+    """Each setting in a fresh process, so peak RSS is its own."""
+    rows = {}
+    for ckpt in (False, True):
+        cmd = [sys.executable, __file__, "memory-one", "--steps", str(args.steps), "--seq-len", str(args.seq_len),
+               "--batch-size", str(args.batch_size), "--out", str(args.out)] + (["--ckpt"] if ckpt else [])
+        line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        rows["with_checkpointing" if ckpt else "without_checkpointing"] = json.loads(line)
+    return rows
+
+
+def run_memory_one(args, teacher, tokenizer) -> dict:
+    from passes.distill.data import corpus_tokens, pack_sequences
+    from passes.distill.students import make_qat_student
+    from passes.distill.trainer import Distiller
+
+    student = int4_student(teacher)
+    make_qat_student(student)
+    seqs = pack_sequences(corpus_tokens(tokenizer, "pydoc").pool, args.seq_len)
+    opts = DistillOptions(steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, checkpoint_every=0,
+                          gradient_checkpointing=args.ckpt)
+    saved = {"bytes": 0}
+
+    def pack(t):  # count the activations autograd keeps for the backward pass
+        saved["bytes"] += t.numel() * t.element_size()
+        return t
+
+    d = Distiller(teacher, student, seqs, opts)
+    d.step()  # warm-up step, not timed
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            d.step()
+        wall = time.perf_counter() - start
+    tokens = args.steps * args.batch_size * args.seq_len
+    return {"gradient_checkpointing": args.ckpt, "tokens_per_s": tokens / wall, "saved_activation_mib_per_step": saved["bytes"] / args.steps / 2**20,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "steps": args.steps}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=("qat", "half", "memory", "memory-one"))
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--half-lr", type=float, default=2e-4)
+    p.add_argument("--eval-windows", type=int, default=8)
+    p.add_argument("--eval-len", type=int, default=512)
+    p.add_argument("--ckpt", action="store_true")
+    p.add_argument("--student", choices=("awq", "rtn"), default="awq", help="qat: the INT4 student to start from")
+    p.add_argument("--awq-samples", type=int, default=32)
+    p.add_argument("--awq-seq-len", type=int, default=256)
+    p.add_argument("--out", type=Path, default=Path("out/bench-distill"))
+    args = p.parse_args()
+    torch.manual_seed(0)
+    loaded = load_checkpoint("smollm2")
+    args.second = stdlib_docs_corpus(args.out / "stdlib-docs.txt")
+    run = {"qat": run_qat, "half": run_half, "memory": run_memory, "memory-one": run_memory_one}[args.what]
+    result = {"what": args.what, "args": {k: str(v) for k, v in vars(args).items()}, **run(args, loaded.model, loaded.tokenizer)}
+    if args.what != "memory-one":
+        (args.out / f"{args.what}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

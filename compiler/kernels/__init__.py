@@ -1,0 +1,1 @@
+"""Hand-written GPU kernels (OpenAI Triton) behind the quantized formats' forward."""

@@ -1,0 +1,63 @@
+"""The serving plan: how the paged KV cache and the engine's batches are sized.
+
+The ``paged_kv`` pass validates it and records it in the artifact as ``manifest["serving"]``;
+``serving.Engine`` reads it back (defaults when absent). It lives in ``compiler/`` because both
+``passes/`` and ``serving/`` use it and neither may import the other.
+
+    [[passes]]
+    name = "paged_kv"
+    block_size = 16
+    kv_memory_mb = 256      # or num_blocks = 1024
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Literal
+
+import torch
+
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    """Paged-KV and batching settings. ``kv_dtype="auto"``: the model's dtype, or the FP8 cache
+    the artifact declares (``manifest["kv_cache"]``). ``num_blocks``, when set, wins over ``kv_memory_mb``."""
+
+    block_size: int = 16
+    kv_dtype: Literal["auto", "float32", "bfloat16", "float16", "float8_e4m3fn"] = "auto"
+    num_blocks: int | None = None
+    kv_memory_mb: float = 256.0
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    version: int = 1
+
+    def __post_init__(self):
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_memory_mb <= 0:
+            raise ValueError(f"kv_memory_mb must be > 0, got {self.kv_memory_mb}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.version != 1:
+            raise ValueError(f"serving plan version {self.version} is not supported (this qcompile writes 1); recompile")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "ServingPlan":
+        """From a manifest entry; keys this version does not know (e.g. derived figures) are ignored."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (d or {}).items() if k in known})
+
+
+def bytes_per_block(block_size: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V for ``block_size`` tokens in every layer."""
+    return 2 * n_layers * block_size * n_kv_heads * head_dim * dtype.itemsize

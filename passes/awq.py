@@ -1,0 +1,232 @@
+"""AWQ: activation-aware INT4 weight quantization (Lin et al., MLSys 2024).
+
+Block by block over the decoder (memory: the calibration activations of one block):
+
+1. capture: run the float block on every calibration sequence; its outputs become the next
+   block's inputs; hooks collect, for the input of each scaling group, mean |x| per channel
+   over every token and the Gram matrix X^T X of a token subsample (``search_tokens``).
+2. scale search, per scaling group (input_layernorm → q/k/v, v → o, post_attention_layernorm
+   → gate/up, up → down; see ``awq_plan.SCALING_GROUPS``): s = mean|x|^α over the α grid,
+   keeping the α whose INT4 weights minimise the group's linear output error.
+3. fold: the input columns of the group's linears are multiplied by s and ``prev``'s output
+   (RMSNorm weight or Linear rows) divided by s — the float model is unchanged.
+4. clip search per (row, group): the max-value shrink ratio minimising output error.
+5. quantize (asymmetric INT4 with zero points, or symmetric) into ``Int4Linear``; a layer whose
+   relative output error exceeds ``max_layer_error`` is retried with smaller groups.
+
+Losses use the Gram matrices (``awq_search``), so a grid point costs one small matmul, not a
+forward pass over the calibration set. Example::
+
+    [[passes]]
+    name = "awq"
+    group_size = 128
+"""
+from __future__ import annotations
+
+import torch
+
+from compiler.errors import ConfigError
+from compiler.int4 import Int4Linear
+from compiler.pipeline import Pass, PassContext, PassReport, register_pass
+from compiler.progress import track
+from compiler.targets import get_target
+from passes.awq_plan import NO_CLIP, SCALING_GROUPS, AWQOptions, LayerPlan, ScalingGroup, plan_layers, smaller_groups
+from passes.awq_search import InputStats, quant_error, relative_error, search_clip, search_scale
+
+
+@register_pass
+class AWQPass(Pass):
+    """Activation-aware INT4 weight quantization; see the module docstring."""
+
+    name = "awq"
+    Options = AWQOptions
+    requires = frozenset({"float_weights"})
+    provides = frozenset({"int4_weights"})
+    invalidates = frozenset({"float_weights"})
+
+    def check(self, config):
+        if config.architecture not in SCALING_GROUPS:
+            raise ConfigError(f"awq has no scaling groups for {config.architecture}; supported: {', '.join(SCALING_GROUPS)}")
+        plan_layers(config, self.options)
+
+    def planned_formats(self, config):
+        plans, _ = plan_layers(config, self.options)
+        return {name: p.format(self.options.zero_point) for name, p in plans.items()}
+
+    @torch.no_grad()
+    def run(self, model: torch.nn.Module, context: PassContext) -> PassReport:
+        opts = self.options
+        plans, excluded = plan_layers(model.config, opts)
+        windows = context.calibration_windows()  # [S, T]
+        report = PassReport(self.name)
+        report.layers += [{"layer": n, "format": "float", "why": f"modules_to_not_convert {p!r}"} for n, p in excluded.items()]
+        gen = torch.Generator().manual_seed(context.calibration.seed)
+        x = model.embed_tokens(windows)  # [S, T, dim]
+        positions = torch.arange(windows.shape[1]).expand(min(opts.batch_size, len(windows)), -1)
+        cos, sin = model.rope(positions, x.dtype)
+        prefix_of = {id(b): f"layers.{i}." for i, b in enumerate(model.layers)}
+        for block in track(model.layers, "awq: blocks", total=len(model.layers)):
+            x, stats = self._capture(block, x, cos, sin, positions, gen)
+            worker = BlockQuantizer(model, prefix_of[id(block)], plans, opts, context.target)
+            report.layers += worker.run(stats)
+        report.metrics = _metrics(report.layers, windows, opts)
+        report.notes.append("scales are searched against plain RTN; clip search skips q_proj/k_proj (as llm-awq)")
+        return report
+
+    def _capture(self, block, x, cos, sin, positions, gen):
+        """Run the float block over every sequence; return its outputs and the groups' input stats."""
+        groups = SCALING_GROUPS[block.self_attn.config.architecture]
+        total = x.shape[0] * x.shape[1]
+        stats, hooks, rows = {}, [], {}
+        for group in groups:
+            linear = block.get_submodule(group.linears[0])
+            stats[group.linears[0]] = st = InputStats(linear.in_features)
+            hooks.append(linear.register_forward_pre_hook(lambda _m, args, st=st: st.add(args[0], rows["now"])))
+        out = torch.empty_like(x)
+        b = positions.shape[0]
+        try:
+            for start in range(0, x.shape[0], b):
+                chunk = x[start : start + b]
+                n_tokens = chunk.shape[0] * chunk.shape[1]
+                keep = max(1, round(self.options.search_tokens * n_tokens / total))
+                rows["now"] = torch.randperm(n_tokens, generator=gen)[: min(keep, n_tokens)]
+                n = chunk.shape[0]
+                out[start : start + n] = block(chunk, cos[:n], sin[:n], positions[:n])
+        finally:
+            for h in hooks:
+                h.remove()
+        return out, stats
+
+
+class BlockQuantizer:
+    """Scale search, folding, clip search and quantization of one decoder block."""
+
+    def __init__(self, model, prefix: str, plans: dict[str, LayerPlan], opts: AWQOptions, target: str | None):
+        self.model, self.prefix, self.plans, self.opts, self.target = model, prefix, plans, opts, target
+        self.block = model.get_submodule(prefix.rstrip("."))
+        self.config = model.config
+
+    def run(self, stats: dict[str, InputStats]) -> list[dict]:
+        """Search, fold and quantize; return one report row per converted linear."""
+        rows, hessians = self.search_and_fold(stats)
+        for name, row in rows.items():
+            row.update(self._quantize(name, hessians[name]))
+        return list(rows.values())
+
+    def search_and_fold(self, stats: dict[str, InputStats]) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
+        """Steps 2-3: the block's float function is unchanged; returns report rows and the
+        Gram matrices of each linear's (now scaled) input."""
+        groups = SCALING_GROUPS[self.config.architecture]
+        rows: dict[str, dict] = {}
+        hessians: dict[str, torch.Tensor] = {}
+        searched = []
+        # Search every group on the original block first (as llm-awq does), then fold all scales.
+        for group in groups:
+            st = stats[group.linears[0]]
+            h = st.hessian
+            for name in group.linears:
+                hessians[name] = h
+                if (plan := self.plans.get(self.prefix + name)) is not None:
+                    w = self.block.get_submodule(name).weight.float()
+                    rows[name] = {"layer": plan.name, "group_size": plan.group_size, "why": plan.reason,
+                                  "scale_group": _group_label(group),
+                                  "rel_error_rtn": relative_error(w, quant_error(w, plan.group_size, self.opts.zero_point), h)}
+            searched.append((group, self._search(group, st, h)))
+        for group, found in searched:
+            if found is None:
+                continue
+            s, s_cols, alpha = found
+            self._fold(group, s, s_cols)
+            for name in group.linears:
+                hessians[name] = hessians[name] / torch.outer(s_cols, s_cols)
+                if name in rows:
+                    rows[name]["alpha"] = alpha
+        return rows, hessians
+
+    def _expand(self, group: ScalingGroup) -> torch.Tensor | None:
+        """Map from consumer input columns to ``prev``'s output channels (GQA: v → o), or None."""
+        prev = self.block.get_submodule(group.prev)
+        k = self.block.get_submodule(group.linears[0]).in_features
+        c = prev.weight.shape[0]
+        if c == k:
+            return None
+        hd, n_rep = self.config.head_dim, self.config.n_heads // self.config.n_kv_heads
+        if c * n_rep != k or not isinstance(prev, torch.nn.Linear):
+            raise ValueError(f"{self.prefix}{group.prev} ({c} outputs) cannot feed {group.linears[0]} ({k} inputs)")
+        col = torch.arange(k)
+        return (col // hd // n_rep) * hd + col % hd  # q head h reads kv head h // n_rep
+
+    def _search(self, group: ScalingGroup, st: InputStats, h: torch.Tensor):
+        converted = [n for n in group.linears if self.prefix + n in self.plans]
+        if not converted:
+            return None  # nothing quantized here: no reason to move the scales
+        expand = self._expand(group)
+        mean = st.mean_abs
+        if expand is not None:
+            c = self.block.get_submodule(group.prev).weight.shape[0]
+            mean = torch.zeros(c).index_add_(0, expand, mean) / torch.bincount(expand, minlength=c)
+        w = torch.cat([self.block.get_submodule(n).weight.float() for n in converted])
+        g = self.plans[self.prefix + converted[0]].group_size
+        s, alpha, _ = search_scale(w, mean, h, g, self.opts.zero_point, self.opts.alpha_grid, expand)
+        return s, (s if expand is None else s[expand]), alpha
+
+    def _fold(self, group: ScalingGroup, s: torch.Tensor, s_cols: torch.Tensor) -> None:
+        """x' = x / s at ``prev``'s output, W' = W * s on the consumers' columns."""
+        prev = self.block.get_submodule(group.prev)
+        if isinstance(prev, torch.nn.Linear):
+            prev.weight.div_(s.to(prev.weight.dtype)[:, None])
+            if prev.bias is not None:
+                prev.bias.div_(s.to(prev.bias.dtype))
+        else:  # RMSNorm: y = weight * normalised(x)
+            prev.weight.div_(s.to(prev.weight.dtype))
+        for name in group.linears:
+            lin = self.block.get_submodule(name)
+            lin.weight.mul_(s_cols.to(lin.weight.dtype)[None, :])
+
+    def _quantize(self, name: str, h: torch.Tensor) -> dict:
+        """Clip-search and quantize one (already scaled) linear; retry smaller groups if too lossy."""
+        plan, opts = self.plans[self.prefix + name], self.opts
+        linear = self.block.get_submodule(name)
+        w = linear.weight.float()
+        g, why = plan.group_size, None
+        while True:
+            clip = (search_clip(w, h, g, opts.zero_point, opts.clip_grid, opts.max_shrink)
+                    if opts.clip_search and name not in NO_CLIP else torch.ones(1))
+            q = Int4Linear.from_float(linear, g, opts.zero_point, clip)
+            err = relative_error(w, q.dequantized_weight().float() - w, h)
+            if opts.max_layer_error is None or err <= opts.max_layer_error:
+                break
+            retry = [g2 for g2 in smaller_groups(plan.in_features, g, opts.group_size_policy) if self._target_accepts(plan, g2)]
+            if not retry:
+                why = f"relative error {err:.4f} > max_layer_error {opts.max_layer_error} at g{g}; no smaller group size left"
+                break
+            why = f"max_layer_error: relative error {err:.4f} > {opts.max_layer_error} at g{g}, retried with g{retry[0]}"
+            g = retry[0]
+        self.block.set_submodule(name, q)
+        row = {"group_size": g, "clip_ratio": round(float(clip.mean()), 4), "rel_error_awq": err}
+        if why:
+            row["why"] = f"{plan.reason}; {why}"
+        return row
+
+    def _target_accepts(self, plan: LayerPlan, g: int) -> bool:
+        if self.target is None:
+            return True
+        from dataclasses import replace
+
+        return get_target(self.target).check(plan.name, replace(plan, group_size=g).format(self.opts.zero_point)) is None
+
+
+def _group_label(group: ScalingGroup) -> str:
+    return f"{group.prev} → {', '.join(n.rpartition('.')[2] for n in group.linears)}"
+
+
+def _metrics(layers: list[dict], windows: torch.Tensor, opts: AWQOptions) -> dict:
+    quantized = [r for r in layers if "rel_error_awq" in r]
+    mean = lambda key: sum(r[key] for r in quantized) / max(len(quantized), 1)  # noqa: E731
+    sizes: dict[str, int] = {}
+    for r in quantized:
+        sizes[f"g{r['group_size']}"] = sizes.get(f"g{r['group_size']}", 0) + 1
+    return {"layers_int4": len(quantized), "layers_float": len(layers) - len(quantized),
+            "group_sizes": ", ".join(f"{k}: {v}" for k, v in sorted(sizes.items())),
+            "mean_rel_error_rtn": mean("rel_error_rtn"), "mean_rel_error_awq": mean("rel_error_awq"),
+            "calibration_tokens": windows.numel(), "search_tokens_per_block": min(opts.search_tokens, windows.numel())}

@@ -1,0 +1,175 @@
+"""AWQ's options, its scaling groups (as data) and the per-layer group-size plan.
+
+Planning needs only the model config, so ``planned_formats`` and the target checks run
+before any calibration work.
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from compiler.config import ModelConfig
+from compiler.errors import ConfigError
+from compiler.int4 import GROUP_SIZES, padded_width
+from compiler.model import Transformer
+from compiler.qlinear import linear_modules
+
+
+@dataclass
+class AWQOptions:
+    """Options of the ``awq`` pass (see ``passes/awq.py``).
+
+    [[passes]]
+    name = "awq"
+    group_size = 128              # 32, 64, 128 or 256
+    group_size_policy = "fallback"  # when g does not divide in_features: error | fallback | pad
+    zero_point = true             # asymmetric (false: symmetric, zero point 8)
+    alpha_grid = 20               # α in {0, 1/20, …, 19/20}
+    clip_search = true            # per-group max-value shrink, grid of clip_grid * max_shrink points
+    max_layer_error = 0.1         # retry a layer with the next smaller group above this relative error
+    search_tokens = 8192          # tokens per block the searches' Gram matrices are built on
+    """
+
+    group_size: int = 128
+    zero_point: bool = True
+    alpha_grid: int = 20
+    clip_search: bool = True
+    clip_grid: int = 20
+    max_shrink: float = 0.5
+    modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head"])
+    group_size_policy: Literal["error", "fallback", "pad"] = "fallback"
+    max_layer_error: float | None = None
+    search_tokens: int = 8192
+    batch_size: int = 8
+
+    def __post_init__(self):
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size}")
+        if self.alpha_grid < 1 or self.clip_grid < 1:
+            raise ValueError("alpha_grid and clip_grid must be >= 1")
+        if not 0 < self.max_shrink < 1:
+            raise ValueError(f"max_shrink must be in (0, 1), got {self.max_shrink}")
+        if self.max_layer_error is not None and self.max_layer_error <= 0:
+            raise ValueError(f"max_layer_error must be > 0, got {self.max_layer_error}")
+        if self.search_tokens < 1 or self.batch_size < 1:
+            raise ValueError("search_tokens and batch_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class ScalingGroup:
+    """Linears sharing one input whose channels ``prev`` (an RMSNorm or a Linear) produces:
+    scaling those input channels by s and ``prev``'s output by 1/s leaves the float model unchanged."""
+
+    prev: str
+    linears: tuple[str, ...]
+
+
+# llm-awq / AutoAWQ's mappings for the Llama family, keyed by architecture (as llm-compressor does).
+LLAMA_GROUPS = (
+    ScalingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",)),
+    ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    ScalingGroup("mlp.up_proj", ("mlp.down_proj",)),
+)
+SCALING_GROUPS = {"LlamaForCausalLM": LLAMA_GROUPS, "MistralForCausalLM": LLAMA_GROUPS, "Qwen2ForCausalLM": LLAMA_GROUPS}
+
+# Attention logits are a product of q and k: clipping them by their own output error misleads
+# (llm-awq skips them too).
+NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """The group size a linear gets before any work, and why."""
+
+    name: str
+    in_features: int
+    out_features: int
+    group_size: int
+    reason: str
+
+    def format(self, zero_point: bool) -> dict:
+        """The manifest entry ``Int4Linear.format_meta`` will write for this layer."""
+        return {"format": "int4", "group_size": self.group_size, "zero_point": zero_point,
+                "in_features": self.in_features, "out_features": self.out_features,
+                "padded_in_features": padded_width(self.in_features, self.group_size)}
+
+
+def float_linears(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Every Linear of the model as name -> (in_features, out_features), built on the meta device."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    return {name: (m.in_features, m.out_features) for name, m in linear_modules(model).items()}
+
+
+def excluded_by(name: str, patterns: list[str]) -> str | None:
+    """The first ``modules_to_not_convert`` pattern (glob, or a plain name/suffix) matching ``name``."""
+    for p in patterns:
+        if fnmatch.fnmatchcase(name, p) or name == p or name.endswith("." + p):
+            return p
+    return None
+
+
+def fallback_group(in_features: int, group_size: int) -> int | None:
+    """The largest allowed group size below ``group_size`` that divides ``in_features``."""
+    return next((g for g in sorted(GROUP_SIZES, reverse=True) if g < group_size and in_features % g == 0), None)
+
+
+def smaller_groups(in_features: int, group_size: int, policy: str) -> list[int]:
+    """Group sizes a layer may retry with (``max_layer_error``), largest first."""
+    return [g for g in sorted(GROUP_SIZES, reverse=True)
+            if g < group_size and (policy == "pad" or in_features % g == 0)]
+
+
+def _describe(names: list[str], in_features: int) -> str:
+    """'layers.{0-29}.self_attn.q_proj (in_features 576)': every offending layer, compactly."""
+    by_suffix: dict[str, list[int]] = defaultdict(list)
+    others = []
+    for n in names:
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", n)
+        if m:
+            by_suffix[m.group(2)].append(int(m.group(1)))
+        else:
+            others.append(n)
+    parts = [f"layers.{{{_ranges(ix)}}}.{s}" for s, ix in by_suffix.items()] + others
+    return f"{', '.join(parts)} (in_features {in_features})"
+
+
+def _ranges(ix: list[int]) -> str:
+    ix = sorted(ix)
+    out, start = [], ix[0]
+    for a, b in zip(ix, ix[1:] + [None]):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(out)
+
+
+def plan_layers(config: ModelConfig, options: AWQOptions) -> tuple[dict[str, LayerPlan], dict[str, str]]:
+    """(plans of the linears to convert, {excluded linear: pattern}); raises on policy ``error``."""
+    g = options.group_size
+    plans, excluded = {}, {}
+    offenders: dict[int, list[str]] = defaultdict(list)
+    for name, (k, n) in float_linears(config).items():
+        if (pattern := excluded_by(name, options.modules_to_not_convert)) is not None:
+            excluded[name] = pattern
+            continue
+        if k % g == 0:
+            plans[name] = LayerPlan(name, k, n, g, "requested")
+        elif options.group_size_policy == "pad":
+            plans[name] = LayerPlan(name, k, n, g, f"pad: in_features {k} zero-padded to {padded_width(k, g)}")
+        elif options.group_size_policy == "fallback" and (fb := fallback_group(k, g)):
+            plans[name] = LayerPlan(name, k, n, fb, f"fallback: {g} does not divide in_features {k}")
+        else:
+            offenders[k].append(name)
+    if offenders:
+        listed = "; ".join(_describe(names, k) for k, names in offenders.items())
+        fix = ('use group_size_policy = "pad"' if options.group_size_policy == "fallback"
+               else 'use group_size_policy = "fallback" or "pad", or a group size that divides them')
+        raise ConfigError(f"awq: group_size {g} does not divide in_features of {listed}; {fix}")
+    return plans, excluded

@@ -1,0 +1,140 @@
+"""AWQ's two searches (scales, clipping) and the statistics they run on.
+
+Every loss here is the output error of the affected linear layers on calibration tokens,
+computed exactly from the Gram matrix of their inputs: for inputs X [T, K] and a weight
+error D = Q(W) - W [N, K],
+
+    ||X D^T||^2 = sum((D @ H) * D)    with H = X^T X  [K, K].
+
+H is accumulated once per block (on a subsample of the captured tokens), so each point of
+the α grid or the clip grid costs one [N, K] x [K, K] product instead of a forward pass over
+every calibration token — this is where the speed over the reference implementations
+(which re-run the block's sub-modules on all tokens for each grid point) comes from.
+"""
+from __future__ import annotations
+
+import torch
+
+from compiler.int4 import QMAX, SYMMETRIC_ZERO, pad_columns
+
+
+class InputStats:
+    """Per-channel mean |x| over every token, and the Gram matrix of a token subsample."""
+
+    def __init__(self, in_features: int):
+        self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
+        self.tokens = 0
+        self.gram = torch.zeros(in_features, in_features)
+        self.gram_tokens = 0
+
+    def add(self, x: torch.Tensor, rows: torch.Tensor) -> None:
+        """x: [..., K] inputs of one chunk; rows: indices of the flattened tokens kept for the Gram."""
+        flat = x.reshape(-1, x.shape[-1]).float()
+        self.abs_sum += flat.abs().sum(0, dtype=torch.float64)
+        self.tokens += flat.shape[0]
+        sample = flat[rows]
+        self.gram.addmm_(sample.T, sample)
+        self.gram_tokens += sample.shape[0]
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return (self.abs_sum / max(self.tokens, 1)).float()
+
+    @property
+    def hessian(self) -> torch.Tensor:
+        """H = X^T X / T: the mean output error per token is sum((D @ H) * D)."""
+        return self.gram / max(self.gram_tokens, 1)
+
+
+def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    """Mean squared output error per token (summed over outputs) of weight error delta [N, K]."""
+    return ((delta @ hessian) * delta).sum()
+
+
+def fast_fake_quantize(w: torch.Tensor, group_size: int, zero_point: bool, clip_ratio=1.0) -> torch.Tensor:
+    """``compiler.int4.fake_quantize`` for float32 ``w`` [N, K] (K a multiple of the group), with
+    fewer passes over memory: the searches call it hundreds of times per block. Same result."""
+    n, k = w.shape
+    x = w.view(n, k // group_size, group_size)
+    if isinstance(clip_ratio, torch.Tensor):
+        clip_ratio = clip_ratio[..., None]  # [N, n_blocks] -> per group
+    if zero_point:
+        wmin, wmax = torch.aminmax(x, dim=-1, keepdim=True)
+        wmax, wmin = wmax.clamp(min=0) * clip_ratio, wmin.clamp(max=0) * clip_ratio
+        scale = ((wmax - wmin) / QMAX).clamp(min=1e-8)
+        zero = (-wmin / scale).round().clamp(0, QMAX)
+    else:
+        scale = (x.abs().amax(-1, keepdim=True) * clip_ratio / (SYMMETRIC_ZERO - 1)).clamp(min=1e-8)
+        zero = torch.full_like(scale, SYMMETRIC_ZERO)
+    q = (x / scale).round_().add_(zero).clamp_(0, QMAX)
+    return q.sub_(zero).mul_(scale).view(n, k)
+
+
+def quant_error(w: torch.Tensor, group_size: int, zero_point: bool, clip_ratio=1.0) -> torch.Tensor:
+    """RTN weight error Q(w) - w [N, K]; K is zero-padded to a multiple of the group for quantizing."""
+    k = w.shape[1]
+    return fast_fake_quantize(pad_columns(w, group_size), group_size, zero_point, clip_ratio)[:, :k] - w
+
+
+def relative_error(w: torch.Tensor, delta: torch.Tensor, hessian: torch.Tensor) -> float:
+    """||X D^T|| / ||X W^T||: the layer's relative output error on the calibration tokens."""
+    signal = output_error(w, hessian).clamp(min=1e-30)
+    return float((output_error(delta, hessian) / signal).sqrt())
+
+
+def candidate_scales(mean_abs: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s = mean|x|^α, normalised so that max(s) * min(s) = 1 (llm-awq's convention)."""
+    s = mean_abs.pow(alpha).clamp(min=1e-4)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def search_scale(weights: torch.Tensor, stats_mean: torch.Tensor, hessian: torch.Tensor, group_size: int,
+                 zero_point: bool, grid: int, expand: torch.Tensor | None = None) -> tuple[torch.Tensor, float, float]:
+    """Best per-input-channel scale for ``weights`` [N, K] (a scaling group's linears, stacked).
+
+    ``stats_mean`` [C] is mean |x| per *scalable* channel; ``expand`` [K] maps each input column
+    to its scalable channel when they differ (GQA: one v channel feeds n_heads / n_kv_heads
+    columns of o_proj). Returns (s [C], α, error at α) with α in {0, 1/grid, …}; α = 0 is plain
+    RTN, so the result is never worse than RTN on this loss.
+    """
+    w = weights.float()
+    best = (torch.ones_like(stats_mean), 0.0, float("inf"))
+    for i in range(grid):
+        alpha = i / grid
+        s = candidate_scales(stats_mean, alpha)
+        s_cols = s if expand is None else s[expand]
+        # Quantize the scaled weight, then undo the scale: the error as the float model sees it.
+        delta = quant_error(w * s_cols, group_size, zero_point) / s_cols
+        err = float(output_error(delta, hessian))
+        if err < best[2]:
+            best = (s, alpha, err)
+    return best
+
+
+def block_diagonal(hessian: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The [n_blocks, g, g] diagonal blocks of H (zero-padded to a multiple of g)."""
+    k = hessian.shape[0]
+    pad = (-k) % group_size
+    h = torch.nn.functional.pad(hessian, (0, pad, 0, pad))
+    n_blocks = h.shape[0] // group_size
+    blocks = h.view(n_blocks, group_size, n_blocks, group_size)
+    return blocks.diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+
+
+def search_clip(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, zero_point: bool,
+                grid: int, max_shrink: float) -> torch.Tensor:
+    """Per (output row, group) clip ratio in {1, 1 - max_shrink/grid, …} minimising that group's
+    contribution to the output error (cross-group terms ignored, as in llm-awq). -> [N, n_blocks]."""
+    w = pad_columns(weight.float(), group_size)
+    n, kp = w.shape
+    blocks = block_diagonal(hessian, group_size)  # [nb, g, g]
+    best_err = torch.full((n, kp // group_size), float("inf"))
+    best_ratio = torch.ones_like(best_err)
+    for i in range(max(1, int(round(max_shrink * grid)))):
+        ratio = 1.0 - i / grid
+        delta = (fast_fake_quantize(w, group_size, zero_point, ratio) - w).view(n, -1, group_size)
+        err = torch.einsum("nbg,bgh,nbh->nb", delta, blocks, delta)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
+    return best_ratio

@@ -1,0 +1,70 @@
+"""Teacher–student distillation (issue 8): the ``distill`` pass, its training loop and losses.
+
+The pass trains the pipeline's model against a teacher: after an INT4 pass (RTN or AWQ) that is
+quantization-aware training (fake quantization + STE on float master weights, re-packed to the same
+INT4 format); with ``student = "keep_layers:..."`` the model first loses layers. ``qcompile distill``
+runs the same loop on a teacher/student pair of checkpoints.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from compiler.pipeline import Pass, PassContext, PassReport, register_pass
+from compiler.qlinear import quantized_modules
+from passes.distill.api import run_distillation
+from passes.distill.config import DistillOptions
+from passes.distill.errors import DistillConfigError
+from passes.distill.students import drop_layers, parse_keep_layers
+
+__all__ = ["DistillPass", "DistillOptions", "run_distillation"]
+
+
+def load_teacher(spec: str):
+    """The float teacher model from a checkpoint path or built-in name."""
+    from compiler.checkpoint import load_checkpoint
+
+    loaded = load_checkpoint(spec, "float32")
+    if quantized_modules(loaded.model):
+        raise DistillConfigError(f"teacher {spec!r} holds quantized layers; give the float checkpoint as the teacher")
+    return loaded.model
+
+
+@register_pass
+class DistillPass(Pass):
+    """Distill a teacher into the pipeline's model (QAT for INT4 models, or a layer-dropped student).
+
+    Phases: held-out KL/top-1 before; training (see ``passes.distill.trainer``); re-packing of the
+    fake-quantized layers; held-out KL/top-1 after. The figures land in the pass report.
+    """
+
+    name = "distill"
+    Options = DistillOptions
+    provides = frozenset({"distilled"})
+
+    def check(self, config) -> None:
+        s = self.options.student
+        if s and not s.startswith("keep_layers:"):
+            raise DistillConfigError(f"student {s!r}: the pass trains the pipeline's model; use \"\" or \"keep_layers:...\" "
+                                     "(to start from another checkpoint, use 'qcompile distill --student')")
+        if s:
+            parse_keep_layers(s, config.n_layers)
+
+    def run(self, model: torch.nn.Module, context: PassContext) -> PassReport:
+        o = self.options
+        if context.tokenizer is None:
+            raise DistillConfigError("distillation needs a tokenizer, and this checkpoint ships none")
+        if o.teacher:
+            teacher = load_teacher(o.teacher)
+        elif quantized_modules(model):
+            raise DistillConfigError("the model entering distill is quantized; set teacher = \"PATH\" to its float checkpoint")
+        else:
+            teacher = copy.deepcopy(model).eval()
+        if o.student:
+            drop_layers(model, parse_keep_layers(o.student, model.config.n_layers))
+        outcome = run_distillation(teacher, model, context.tokenizer, o, Path(o.output_dir) if o.output_dir else None)
+        notes = [f"student: {'QAT of %d INT4 layers' % outcome.qat_layers if outcome.qat_layers else 'float'}"
+                 f"{', layers ' + o.student.removeprefix('keep_layers:') if o.student else ''}"]
+        return PassReport(self.name, metrics=outcome.metrics, notes=notes)

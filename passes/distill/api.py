@@ -1,0 +1,62 @@
+"""``run_distillation``: held-out comparison, training, re-packing and the comparison again.
+
+Used by the ``distill`` pass and by ``qcompile distill``; returns the figures both report.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from compiler.model import Transformer
+from passes.distill.config import DistillOptions
+from passes.distill.data import corpus_tokens, heldout_windows, pack_sequences
+from passes.distill.evaluate import compare_on_windows, teacher_logits
+from passes.distill.students import make_qat_student, repack_int4
+from passes.distill.trainer import Distiller, TrainResult, set_gradient_checkpointing, unshard_student
+
+
+@dataclass
+class DistillOutcome:
+    metrics: dict  # kl_before/after, top1_agreement_before/after, perplexities, per held-out corpus
+    train: TrainResult
+    qat_layers: int
+
+
+def heldout_sets(tokenizer, options: DistillOptions) -> dict[str, torch.Tensor]:
+    """The evaluation region of the training corpus, then of each extra ``heldout`` corpus."""
+    names = [options.corpus] + [c for c in options.heldout if c != options.corpus]
+    return {name: heldout_windows(tokenizer, name, options.eval_windows, options.eval_len) for name in names}
+
+
+def _summary(before: dict[str, dict], after: dict[str, dict], main: str) -> dict:
+    b, a = before[main], after[main]
+    return {"kl_before": b["kl"], "kl_after": a["kl"], "top1_agreement_before": b["top1_agreement"],
+            "top1_agreement_after": a["top1_agreement"], "ppl_teacher": a["ppl_teacher"],
+            "ppl_student_before": b["ppl_student"], "ppl_student_after": a["ppl_student"],
+            "heldout": {name: {"before": before[name], "after": after[name]} for name in before}}
+
+
+def run_distillation(teacher: Transformer, student: Transformer, tokenizer, options: DistillOptions,
+                     output_dir: Path | None = None, resume: bool = False,
+                     on_step: Callable[[int, dict], None] | None = None) -> DistillOutcome:
+    """Distill ``teacher`` into ``student`` (modified in place; INT4 students come back re-packed as INT4)."""
+    sets = heldout_sets(tokenizer, options)
+    reference = {name: teacher_logits(teacher, w) for name, w in sets.items()}
+    before = {name: compare_on_windows(teacher, student, w, reference=reference[name]) for name, w in sets.items()}
+    qat_layers = make_qat_student(student, options.learn_qparams)
+    sequences = pack_sequences(corpus_tokens(tokenizer, options.corpus).pool, options.seq_len)
+    distiller = Distiller(teacher, student, sequences, options, output_dir, on_step)
+    result = distiller.train(resume)
+    unshard_student(distiller)
+    set_gradient_checkpointing(student, False)
+    repack_int4(student)
+    student.eval()
+    after = {name: compare_on_windows(teacher, student, w, reference=reference[name]) for name, w in sets.items()}
+    metrics = _summary(before, after, options.corpus)
+    metrics.update({"steps": result.steps, "skipped_steps": result.skipped, "tokens_trained": result.tokens,
+                    "train_s": round(result.wall_s, 2), "tokens_per_s": result.tokens_per_s, "qat_layers": qat_layers,
+                    "resumed_from": result.resumed_from})
+    return DistillOutcome(metrics, result, qat_layers)

@@ -1,0 +1,56 @@
+"""``ServingAdapter`` over ONNX Runtime: the bundle from ``qcompile lower --target onnx``.
+
+One KV cache per adapter, so requests are served one at a time (a lock queues the rest); the
+throughput path with many concurrent requests is the in-process engine.
+"""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import AsyncIterator
+
+import numpy as np
+
+from compiler.checkpoint import load_tokenizer
+from serving.adapters._stream import encode, stream_tokens
+from serving.onnx_runner import OnnxRunner
+from serving.types import SamplingParams, StreamEvent
+
+
+class _RunnerModel:
+    """OnnxRunner as a TokenModel (batch 1)."""
+
+    def __init__(self, runner: OnnxRunner):
+        self.runner, self.max_len = runner, runner.info.max_len
+
+    def prefill(self, prompt_ids: list[int]) -> np.ndarray:
+        return self.runner.prefill(np.array([prompt_ids], np.int64))[0, -1]
+
+    def decode(self, token_id: int) -> np.ndarray:
+        return self.runner.decode(np.array([[token_id]], np.int64))[0, -1]
+
+
+class OnnxRuntimeAdapter:
+    """Streams tokens from an ONNX bundle; greedy, temperature, top-k, top-p, seed, stop strings."""
+
+    name = "onnxruntime"
+
+    def __init__(self, bundle_dir: str | Path, threads: int | None = None):
+        self.runner = OnnxRunner(bundle_dir, threads)
+        self.tokenizer = load_tokenizer(Path(bundle_dir)) if self.runner.info.tokenizer else None
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def from_dir(cls, bundle_dir: str | Path) -> "OnnxRuntimeAdapter":
+        """The adapter for a bundle written by ``qcompile lower --target onnx`` (what the bench suite calls)."""
+        return cls(bundle_dir)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[StreamEvent]:
+        ids = encode(prompt, self.tokenizer)
+        async with self._lock:
+            async for event in stream_tokens(_RunnerModel(self.runner), ids, params, self.tokenizer,
+                                             self.runner.info.eos_token_ids):
+                yield event
+
+    async def close(self) -> None:
+        self.runner = None

@@ -1,0 +1,79 @@
+"""Paged attention in plain torch: the reference every kernel is checked against, and the CPU path.
+
+Cache layout (vLLM's): per layer, K and V are ``[num_blocks, block_size, Hkv, D]``; token slot
+``s = block_id * block_size + offset`` is row ``s`` of the flattened ``[num_blocks * block_size,
+Hkv, D]`` view. A sequence's block table lists its block ids in token order.
+
+FP8 KV: K/V are stored as ``float8_e4m3fn`` values of ``x / scale`` and read back as
+``stored * scale``; ``scale`` is a tensor broadcastable to ``[Hkv, 1]`` (per-tensor or per head).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from compiler.kv_cache import attention_mask
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """x: [T, Hkv, D] in compute dtype -> storage dtype (scaled and clamped for FP8)."""
+    if scale is None:
+        return x.to(dtype)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Stored [..., Hkv, D] -> compute dtype."""
+    if scale is None:
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """cache [N, bs, H, D], block_tables [S, M] -> [S, M * bs, H, D] (each sequence's tokens in order)."""
+    S, M = block_tables.shape
+    g = cache[block_tables]  # [S, M, bs, H, D]
+    return g.reshape(S, M * cache.shape[1], *cache.shape[2:])
+
+
+def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           sliding_window: int | None = None) -> torch.Tensor:
+    """One query token per sequence, at position ``seq_lens - 1``, over its cached tokens.
+
+    q: [S, Hq, D]; block_tables: [S, M] (padding entries may be any valid block id);
+    seq_lens: [S] tokens cached per sequence, including the query's own -> [S, Hq, D].
+    """
+    S = q.shape[0]
+    keys = dequantize_kv(gather_blocks(k_cache, block_tables), q.dtype, k_scale)  # [S, L, Hkv, D]
+    values = dequantize_kv(gather_blocks(v_cache, block_tables), q.dtype, v_scale)
+    L = keys.shape[1]
+    k_pos = torch.arange(L, device=q.device).expand(S, L)
+    q_pos = (seq_lens - 1)[:, None]
+    mask = attention_mask(q_pos, k_pos, sliding_window)  # [S, 1, 1, L]: also hides the padding (pos > q_pos)
+    Hkv = keys.shape[2]
+    # GQA without copying K/V per query head: fold each KV head's query group into the query axis.
+    qg = q.reshape(S, Hkv, -1, q.shape[-1])  # [S, Hkv, G, D]
+    out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask)
+    return out.reshape(q.shape)
+
+
+def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                            q_positions: torch.Tensor, context_len: int, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+    """A chunk of one sequence's queries over its first ``context_len`` cached tokens.
+
+    q: [Hq, Tq, D]; block_ids: [M]; q_positions: [Tq] -> [Hq, Tq, D].
+    """
+    keys = dequantize_kv(gather_blocks(k_cache, block_ids[None])[0, :context_len], q.dtype, k_scale)  # [L, Hkv, D]
+    values = dequantize_kv(gather_blocks(v_cache, block_ids[None])[0, :context_len], q.dtype, v_scale)
+    k_pos = torch.arange(context_len, device=q.device)
+    mask = attention_mask(q_positions[None], k_pos[None], sliding_window)[0]  # [1, Tq, L]
+    Hq, Tq, D = q.shape
+    Hkv = keys.shape[1]
+    G = Hq // Hkv
+    qg = q.reshape(Hkv, G * Tq, D)  # a KV head's G query heads, one after the other on the query axis
+    out = F.scaled_dot_product_attention(qg, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask.repeat(1, G, 1))
+    return out.reshape(Hq, Tq, D)

@@ -1,0 +1,129 @@
+"""The paged KV cache the model's attention talks to (``compiler.kv_cache.KVCache``).
+
+The engine runs the model on one flattened batch ``[1, total_tokens]`` holding, per scheduled
+sequence, its next tokens (one for a decode, a chunk for a prefill) with their absolute
+positions. Before the forward it hands the cache the batch's ``BatchMetadata``; each layer's
+``attend`` then writes the new K/V through the slot mapping and attends every sequence over its
+own blocks: decodes together (the Triton kernel on CUDA, the torch reference elsewhere), prefill
+chunks one sequence at a time. All K/V are written before any are read, so a sequence may read
+blocks another sequence fills in the same step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from compiler.serving_plan import bytes_per_block
+from serving.paged_attention import paged_decode_reference, paged_prefill_reference, quantize_kv
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape and storage type of the paged cache."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        return bytes_per_block(self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+@dataclass
+class PrefillSeq:
+    q_start: int  # index of the chunk's first token in the flattened batch
+    q_len: int
+    context_len: int  # tokens cached after this step, the chunk included
+    block_ids: torch.Tensor  # [M]
+
+
+@dataclass
+class BatchMetadata:
+    """Where a step's tokens go and what each sequence reads."""
+
+    slot_mapping: torch.Tensor  # [T] cache slot of each batch token
+    decode_token_idx: torch.Tensor  # [Sd] batch index of each decode sequence's token
+    decode_block_tables: torch.Tensor  # [Sd, M] block ids, padded with 0
+    decode_seq_lens: torch.Tensor  # [Sd]
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+class PagedKVCache:
+    """Per layer ``[num_blocks, block_size, Hkv, D]`` K and V tensors, read and written through metadata."""
+
+    def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu", k_scales: list[torch.Tensor] | None = None,
+                 v_scales: list[torch.Tensor] | None = None, sliding_window: int | None = None, use_triton: bool | None = None):
+        self.spec = spec
+        self.device = torch.device(device)
+        shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.k = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.k_scales = [s.to(self.device) for s in k_scales] if k_scales else None  # per layer, [Hkv, 1] or [1, 1]
+        self.v_scales = [s.to(self.device) for s in v_scales] if v_scales else None
+        if spec.dtype == torch.float8_e4m3fn and not (self.k_scales and self.v_scales):
+            raise ValueError("an FP8 KV cache needs per-layer k_scales and v_scales")
+        self.sliding_window = sliding_window
+        if use_triton is None and self.device.type == "cuda":
+            from serving.triton_paged import triton_available
+
+            use_triton = triton_available()
+        self.use_triton = bool(use_triton)
+        self.meta: BatchMetadata | None = None
+
+    def set_batch(self, meta: BatchMetadata) -> None:
+        self.meta = meta
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``src``'s K/V into ``dst`` in every layer."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in (*self.k, *self.v):
+            cache[dst] = cache[src]
+
+    def _scales(self, layer_idx: int):
+        if self.k_scales is None:
+            return None, None
+        return self.k_scales[layer_idx], self.v_scales[layer_idx]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """q: [1, Hq, T, D]; k, v: [1, Hkv, T, D]; positions: [1, T] -> [1, Hq, T, D]."""
+        meta = self.meta
+        if meta is None or q.shape[0] != 1:
+            raise RuntimeError("PagedKVCache.attend needs set_batch() and a flattened [1, T] batch")
+        k_scale, v_scale = self._scales(layer_idx)
+        kc, vc = self.k[layer_idx], self.v[layer_idx]
+        H, D = self.spec.num_kv_heads, self.spec.head_dim
+        kc.view(-1, H, D)[meta.slot_mapping] = quantize_kv(k[0].transpose(0, 1), kc.dtype, k_scale)
+        vc.view(-1, H, D)[meta.slot_mapping] = quantize_kv(v[0].transpose(0, 1), vc.dtype, v_scale)
+        q_tok = q[0].transpose(0, 1)  # [T, Hq, D]
+        out = torch.empty_like(q_tok)
+        if meta.decode_token_idx.numel():
+            qd = q_tok[meta.decode_token_idx]
+            decode = self._decode_fn()
+            out[meta.decode_token_idx] = decode(qd, kc, vc, meta.decode_block_tables, meta.decode_seq_lens,
+                                                k_scale, v_scale, self.sliding_window)
+        pos = positions[0]
+        for p in meta.prefills:
+            sl = slice(p.q_start, p.q_start + p.q_len)
+            o = paged_prefill_reference(q_tok[sl].transpose(0, 1), kc, vc, p.block_ids, pos[sl], p.context_len,
+                                        k_scale, v_scale, self.sliding_window)
+            out[sl] = o.transpose(0, 1)
+        return out.transpose(0, 1)[None]
+
+    def _decode_fn(self):
+        if self.use_triton:
+            from serving.triton_paged import paged_decode_triton
+
+            return paged_decode_triton
+        return paged_decode_reference

@@ -1,0 +1,129 @@
+"""A request's state inside the engine, its incremental detokenization and stop checks."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from compiler.errors import QCompileError
+from serving.types import SamplingParams, StreamEvent
+
+
+class RequestError(QCompileError):
+    """A request the engine cannot serve (empty, too long for the model or the cache, bad settings)."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to recompute its KV
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+
+@dataclass
+class GenerationResult:
+    """What ``Engine.generate`` returns: the whole output of one request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    metrics: RequestMetrics
+
+
+class Request:
+    """Prompt and output tokens, progress (``num_computed_tokens`` have KV cached), sampler and text state."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids: list[int],
+                 tokenizer, device: torch.device, seed: int):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.eos_token_ids = set(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.metrics = RequestMetrics()
+        self.text = ""  # output text so far (cut at a stop string)
+        self._sent = 0  # characters of ``text`` already streamed
+        self._max_stop = max((len(s) for s in params.stop), default=0)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    def append_token(self, token_id: int) -> StreamEvent:
+        """Add a sampled token; return the event to stream (its text delta, and why it ended if it did)."""
+        if self.metrics.first_token_s is None:
+            self.metrics.first_token_s = time.perf_counter()
+        self.output_token_ids.append(token_id)
+        reason = None
+        if token_id in self.eos_token_ids and not self.params.ignore_eos:
+            reason = "stop"
+        elif len(self.output_token_ids) >= self.params.max_tokens:
+            reason = "length"
+        if self.tokenizer is not None:
+            if self._update_text():
+                reason = "stop"
+        event = StreamEvent(token_ids=[token_id], finish_reason=reason)
+        # Hold back a trailing partial UTF-8 character or a possible start of a stop string until resolved.
+        hold = 0 if reason else self._holdback()
+        event.text = self.text[self._sent:len(self.text) - hold]
+        self._sent += len(event.text)
+        if reason:
+            self.finish(reason)
+        return event
+
+    def _update_text(self) -> bool:
+        """Re-decode the output; return True when it now contains a stop string (the text is cut there)."""
+        text = self.tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
+        start = max(0, self._sent - self._max_stop)
+        cut = min((i for s in self.params.stop if (i := text.find(s, start)) >= 0), default=-1)
+        self.text = text if cut < 0 else text[:cut]
+        return cut >= 0
+
+    def _holdback(self) -> int:
+        hold = 1 if self.text.endswith("\ufffd") else 0
+        tail = self.text[self._sent:]
+        for s in self.params.stop:
+            for n in range(min(len(s) - 1, len(tail)), 0, -1):
+                if tail.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        return hold
+
+    def finish(self, reason: str) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.metrics.finished_s = time.perf_counter()
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(self.request_id, self.prompt_token_ids, list(self.output_token_ids), self.text,
+                                self.finish_reason or "abort", self.metrics)

@@ -1,0 +1,39 @@
+"""Helpers shared by the ONNX / Ascend tests: tiny float and INT4 artifacts."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from compiler.artifact import load_artifact, save_artifact
+from compiler.checkpoint import SourceInfo, load_checkpoint
+from compiler.int4 import Int4Linear
+from compiler.qlinear import linear_modules
+from conftest import make_hf_model
+
+
+def make_artifact(tmp_path: Path, arch: str = "llama", int4_group: int | None = None, tokenizer=None, **overrides) -> Path:
+    """Save a tiny random model as an artifact; INT4 (RTN, every linear but lm_head) when ``int4_group``."""
+    hf_dir = tmp_path / f"hf-{arch}"
+    make_hf_model(arch, **overrides).save_pretrained(hf_dir)
+    loaded = load_checkpoint(hf_dir, with_tokenizer=False)
+    for name, linear in linear_modules(loaded.model).items():
+        if int4_group and name != "lm_head":
+            loaded.model.set_submodule(name, Int4Linear.from_float(linear, int4_group))
+    out = tmp_path / f"artifact-{arch}-{int4_group or 'float'}"
+    source = SourceInfo(str(hf_dir), "hf", "0" * 64)
+    return save_artifact(out, loaded.model, tokenizer, source, {}, [])
+
+
+def rel_error(got: np.ndarray, ref: np.ndarray) -> float:
+    """max |got - ref| / max |ref|; NaN anywhere gives inf so it never passes."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if np.isnan(got).any() or np.isnan(ref).any():
+        return float("inf")
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+def torch_logits(artifact: Path, ids: torch.Tensor) -> np.ndarray:
+    with torch.no_grad():
+        return load_artifact(artifact).model(ids).numpy()
