@@ -6,16 +6,20 @@ Block by block over the decoder (memory: the calibration activations of one bloc
    block's inputs; hooks collect, for the input of each scaling group, mean |x| per channel
    over every token and the Gram matrix X^T X of a token subsample (``search_tokens``).
 2. scale search, per scaling group (input_layernorm → q/k/v, v → o, post_attention_layernorm
-   → gate/up, up → down; see ``awq_plan.SCALING_GROUPS``): s = mean|x|^α over the α grid,
-   keeping the α whose INT4 weights minimise the group's linear output error.
+   → gate/up, up → down; see ``awq_plan.SCALING_GROUPS``): s = mean|x|^α / mean|ŵ|^(1-α)
+   (AutoAWQ's duo scaling; s = mean|x|^α without it) over the α grid. Every α is scored by the
+   group's linear output error (Gram matrices, cheap); where the group feeds a larger module
+   (q/k/v → self_attn, gate/up → mlp) the ``module_candidates`` best are re-scored on that
+   module's output over ``module_sequences`` calibration sequences, the block-output criterion
+   of the reference implementation, and the best there is kept.
 3. fold: the input columns of the group's linears are multiplied by s and ``prev``'s output
    (RMSNorm weight or Linear rows) divided by s — the float model is unchanged.
 4. clip search per (row, group): the max-value shrink ratio minimising output error.
 5. quantize (asymmetric INT4 with zero points, or symmetric) into ``Int4Linear``; a layer whose
    relative output error exceeds ``max_layer_error`` is retried with smaller groups.
 
-Losses use the Gram matrices (``awq_search``), so a grid point costs one small matmul, not a
-forward pass over the calibration set. Example::
+The Gram loss (``awq_search``) makes a grid point one small matmul, not a forward pass over the
+calibration set; the module forwards run only for the shortlist, on a few sequences. Example::
 
     [[passes]]
     name = "awq"
@@ -33,7 +37,7 @@ from compiler.pipeline import Pass, PassContext, PassReport, register_pass
 from compiler.progress import track
 from compiler.targets import get_target
 from passes.awq_plan import NO_CLIP, SCALING_GROUPS, AWQOptions, LayerPlan, ScalingGroup, plan_layers, smaller_groups
-from passes.awq_search import InputStats, quant_error, relative_error, search_clip, search_scale
+from passes.awq_search import InputStats, quant_error, rank_scales, relative_error, search_clip, weight_mean
 
 
 @register_pass
@@ -67,12 +71,17 @@ class AWQPass(Pass):
         positions = torch.arange(windows.shape[1]).expand(min(opts.batch_size, len(windows)), -1)
         cos, sin = model.rope(positions, x.dtype)
         prefix_of = {id(b): f"layers.{i}." for i, b in enumerate(model.layers)}
+        k = min(opts.module_sequences, positions.shape[0])
         for block in track(model.layers, "awq: blocks", total=len(model.layers)):
+            sample = (x[:k], cos[:k], sin[:k], positions[:k])  # the block's float inputs, for module scoring
             x, stats = self._capture(block, x, cos, sin, positions, gen)
             worker = BlockQuantizer(model, prefix_of[id(block)], plans, opts, context.target)
-            report.layers += worker.run(stats)
+            report.layers += worker.run(stats, sample)
         report.metrics = _metrics(report.layers, windows, opts)
-        report.notes.append("scales are searched against plain RTN; clip search skips q_proj/k_proj (as llm-awq)")
+        scoring = (f"the best {opts.module_candidates} re-scored on self_attn / mlp outputs over {k} sequences"
+                   if opts.module_candidates > 1 and k else "scored on the linears' own output error")
+        report.notes.append(f"α grid of {opts.alpha_grid} ({'duo scaling' if opts.duo_scaling else 'activation scaling'}), "
+                            f"{scoring}; clip search skips q_proj/k_proj (as llm-awq)")
         return report
 
     def _capture(self, block, x, cos, sin, positions, gen):
@@ -107,9 +116,12 @@ class BlockQuantizer:
         self.model, self.prefix, self.plans, self.opts, self.target = model, prefix, plans, opts, target
         self.block = model.get_submodule(prefix.rstrip("."))
         self.config = model.config
+        self.inspected: dict[str, tuple[tuple, torch.Tensor]] = {}  # set by run(); empty: Gram loss only
 
-    def run(self, stats: dict[str, InputStats]) -> list[dict]:
-        """Search, fold and quantize; return one report row per converted linear."""
+    def run(self, stats: dict[str, InputStats], sample: tuple) -> list[dict]:
+        """Search, fold and quantize; return one report row per converted linear. ``sample``:
+        block inputs (x, cos, sin, positions) of a few calibration sequences for module scoring."""
+        self.inspected = self._inspect_modules(sample)
         rows, hessians = self.search_and_fold(stats)
         for name, row in rows.items():
             row.update(self._quantize(name, hessians[name]))
@@ -145,6 +157,39 @@ class BlockQuantizer:
                     rows[name]["alpha"] = alpha
         return rows, hessians
 
+    def _inspect_modules(self, sample: tuple) -> dict[str, tuple[tuple, torch.Tensor]]:
+        """Float (args, output) of each group's ``inspect`` module on the sample sequences."""
+        names = {g.inspect for g in SCALING_GROUPS[self.config.architecture] if g.inspect}
+        if self.opts.module_candidates < 2 or sample[0].shape[0] == 0:
+            return {}
+        seen, hooks = {}, []
+        for name in names:
+            hooks.append(self.block.get_submodule(name).register_forward_hook(
+                lambda _m, args, out, name=name: seen.__setitem__(name, (args, out))))
+        try:
+            self.block(*sample)
+        finally:
+            for h in hooks:
+                h.remove()
+        return seen
+
+    def _module_error(self, group: ScalingGroup, converted: list[str], s_cols: torch.Tensor) -> float:
+        """Mean squared output error of ``group.inspect`` with the converted linears fake-quantized at scale s."""
+        module = self.block.get_submodule(group.inspect)
+        args, reference = self.inspected[group.inspect]
+        saved = {}
+        try:
+            for name in converted:
+                lin = self.block.get_submodule(name)
+                saved[name] = lin.weight.data
+                scaled = lin.weight.float() * s_cols
+                g = self.plans[self.prefix + name].group_size
+                lin.weight.data = ((scaled + quant_error(scaled, g, self.opts.zero_point)) / s_cols).to(lin.weight.dtype)
+            return float((module(*args).float() - reference.float()).pow(2).mean())
+        finally:
+            for name, w in saved.items():
+                self.block.get_submodule(name).weight.data = w
+
     def _expand(self, group: ScalingGroup) -> torch.Tensor | None:
         """Map from consumer input columns to ``prev``'s output channels (GQA: v → o), or None."""
         prev = self.block.get_submodule(group.prev)
@@ -169,7 +214,18 @@ class BlockQuantizer:
             mean = torch.zeros(c).index_add_(0, expand, mean) / torch.bincount(expand, minlength=c)
         w = torch.cat([self.block.get_submodule(n).weight.float() for n in converted])
         g = self.plans[self.prefix + converted[0]].group_size
-        s, alpha, _ = search_scale(w, mean, h, g, self.opts.zero_point, self.opts.alpha_grid, expand)
+        w_mean = None
+        if self.opts.duo_scaling:
+            w_mean = weight_mean(w, g)
+            if expand is not None:
+                w_mean = torch.zeros(len(mean)).index_add_(0, expand, w_mean) / torch.bincount(expand, minlength=len(mean))
+        ranked = rank_scales(w, mean, h, g, self.opts.zero_point, self.opts.alpha_grid, expand, w_mean)
+        if group.inspect in self.inspected:  # the Gram loss shortlists, the module's output decides
+            expand_cols = (lambda s: s) if expand is None else (lambda s: s[expand])
+            shortlist = ranked[: self.opts.module_candidates]
+            ranked = sorted(((self._module_error(group, converted, expand_cols(s)), a, s) for _, a, s in shortlist),
+                            key=lambda r: r[0])
+        _, alpha, s = ranked[0]
         return s, (s if expand is None else s[expand]), alpha
 
     def _fold(self, group: ScalingGroup, s: torch.Tensor, s_cols: torch.Tensor) -> None:

@@ -30,6 +30,9 @@ class AWQOptions:
     group_size_policy = "fallback"  # when g does not divide in_features: error | fallback | pad
     zero_point = true             # asymmetric (false: symmetric, zero point 8)
     alpha_grid = 20               # α in {0, 1/20, …, 19/20}
+    duo_scaling = true            # s = mean|x|^α / mean|ŵ|^(1-α) (AutoAWQ's default); false: s = mean|x|^α
+    module_candidates = 4         # the best α by the linears' own error, re-scored on the module's output
+    module_sequences = 4          # calibration sequences those module forwards run on
     clip_search = true            # per-group max-value shrink, grid of clip_grid * max_shrink points
     max_layer_error = 0.1         # retry a layer with the next smaller group above this relative error
     search_tokens = 8192          # tokens per block the searches' Gram matrices are built on
@@ -45,6 +48,9 @@ class AWQOptions:
     group_size_policy: Literal["error", "fallback", "pad"] = "fallback"
     max_layer_error: float | None = None
     search_tokens: int = 8192
+    duo_scaling: bool = True
+    module_candidates: int = 4
+    module_sequences: int = 4
     batch_size: int = 8
 
     def __post_init__(self):
@@ -58,6 +64,8 @@ class AWQOptions:
             raise ValueError(f"max_layer_error must be > 0, got {self.max_layer_error}")
         if self.search_tokens < 1 or self.batch_size < 1:
             raise ValueError("search_tokens and batch_size must be >= 1")
+        if self.module_candidates < 0 or self.module_sequences < 0:
+            raise ValueError("module_candidates and module_sequences must be >= 0 (0 or 1: score on the linears' own error)")
 
 
 @dataclass(frozen=True)
@@ -67,13 +75,16 @@ class ScalingGroup:
 
     prev: str
     linears: tuple[str, ...]
+    # The module whose output scores the α grid when it is more than the linears themselves
+    # (AutoAWQ's ``module2inspect``): errors in q/k pass through softmax, in gate/up through SiLU.
+    inspect: str | None = None
 
 
 # llm-awq / AutoAWQ's mappings for the Llama family, keyed by architecture (as llm-compressor does).
 LLAMA_GROUPS = (
-    ScalingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ScalingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), inspect="self_attn"),
     ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",)),
-    ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), inspect="mlp"),
     ScalingGroup("mlp.up_proj", ("mlp.down_proj",)),
 )
 SCALING_GROUPS = {"LlamaForCausalLM": LLAMA_GROUPS, "MistralForCausalLM": LLAMA_GROUPS, "Qwen2ForCausalLM": LLAMA_GROUPS}

@@ -1,6 +1,6 @@
 """AWQ's two searches (scales, clipping) and the statistics they run on.
 
-Every loss here is the output error of the affected linear layers on calibration tokens,
+Every loss here (the scale search's first cut, and the clip search) is the output error of the affected linear layers on calibration tokens,
 computed exactly from the Gram matrix of their inputs: for inputs X [T, K] and a weight
 error D = Q(W) - W [N, K],
 
@@ -82,33 +82,42 @@ def relative_error(w: torch.Tensor, delta: torch.Tensor, hessian: torch.Tensor) 
     return float((output_error(delta, hessian) / signal).sqrt())
 
 
-def candidate_scales(mean_abs: torch.Tensor, alpha: float) -> torch.Tensor:
-    """s = mean|x|^α, normalised so that max(s) * min(s) = 1 (llm-awq's convention)."""
-    s = mean_abs.pow(alpha).clamp(min=1e-4)
+def candidate_scales(mean_abs: torch.Tensor, alpha: float, weight_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """s = mean|x|^α (or, with ``weight_mean``, AutoAWQ's duo scaling mean|x|^α / mean|ŵ|^(1-α)),
+    normalised so that max(s) * min(s) = 1 (llm-awq's convention)."""
+    s = mean_abs.pow(alpha)
+    if weight_mean is not None:
+        s = s / (weight_mean.pow(1 - alpha) + 1e-4)
+    s = s.clamp(min=1e-4)
     return s / (s.max() * s.min()).sqrt()
 
 
-def search_scale(weights: torch.Tensor, stats_mean: torch.Tensor, hessian: torch.Tensor, group_size: int,
-                 zero_point: bool, grid: int, expand: torch.Tensor | None = None) -> tuple[torch.Tensor, float, float]:
-    """Best per-input-channel scale for ``weights`` [N, K] (a scaling group's linears, stacked).
+def weight_mean(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Mean over rows of |w| relative to its group's max, per input column [K] (AutoAWQ's w_mean)."""
+    g = pad_columns(w.abs(), group_size).view(w.shape[0], -1, group_size)
+    return (g / (g.amax(-1, keepdim=True) + 1e-6)).view(w.shape[0], -1)[:, : w.shape[1]].mean(0)
+
+
+def rank_scales(weights: torch.Tensor, stats_mean: torch.Tensor, hessian: torch.Tensor, group_size: int,
+                zero_point: bool, grid: int, expand: torch.Tensor | None = None,
+                w_mean: torch.Tensor | None = None) -> list[tuple[float, float, torch.Tensor]]:
+    """Every α of the grid for ``weights`` [N, K] (a scaling group's linears, stacked), as
+    (error, α, s [C]) sorted best first by the linears' own output error (the Gram loss).
 
     ``stats_mean`` [C] is mean |x| per *scalable* channel; ``expand`` [K] maps each input column
     to its scalable channel when they differ (GQA: one v channel feeds n_heads / n_kv_heads
-    columns of o_proj). Returns (s [C], α, error at α) with α in {0, 1/grid, …}; α = 0 is plain
-    RTN, so the result is never worse than RTN on this loss.
+    columns of o_proj). α runs over {0, 1/grid, …}; without ``w_mean``, α = 0 is plain RTN.
     """
     w = weights.float()
-    best = (torch.ones_like(stats_mean), 0.0, float("inf"))
+    ranked = []
     for i in range(grid):
         alpha = i / grid
-        s = candidate_scales(stats_mean, alpha)
+        s = candidate_scales(stats_mean, alpha, w_mean)
         s_cols = s if expand is None else s[expand]
         # Quantize the scaled weight, then undo the scale: the error as the float model sees it.
         delta = quant_error(w * s_cols, group_size, zero_point) / s_cols
-        err = float(output_error(delta, hessian))
-        if err < best[2]:
-            best = (s, alpha, err)
-    return best
+        ranked.append((float(output_error(delta, hessian)), alpha, s))
+    return sorted(ranked, key=lambda r: r[0])
 
 
 def block_diagonal(hessian: torch.Tensor, group_size: int) -> torch.Tensor:
