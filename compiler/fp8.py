@@ -102,15 +102,18 @@ class Fp8Linear(QuantizedLinear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, weight_dtype: str = "float8_e4m3fn", granularity: str = "per_channel",
                     activation_dtype: str = "float8_e4m3fn", activation_scheme: str = "dynamic",
-                    input_scale: float | None = None) -> "Fp8Linear":
-        """Quantize ``linear``'s weight; ``input_scale`` is required when activations are static."""
-        w = linear.weight.detach()
+                    input_scale: float | None = None, weight: torch.Tensor | None = None,
+                    scale: torch.Tensor | None = None) -> "Fp8Linear":
+        """Quantize ``linear``'s weight; ``input_scale`` is required when activations are static.
+        ``weight`` and ``scale`` replace the layer's weight and its abs-max scale (GPTQ rounds a
+        compensated weight on the original weight's scales)."""
+        w = (linear.weight if weight is None else weight).detach()
         if activation_scheme == "static" and input_scale is None:
             raise ValueError("static activations need a calibrated input_scale")
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype,
                 weight_dtype, granularity, activation_dtype, activation_scheme).to(w.device)
         wdt = fp8_dtype(weight_dtype)
-        scale = weight_scale(w, wdt, granularity)
+        scale = weight_scale(w, wdt, granularity) if scale is None else scale.float()
         m.weight.copy_(quantize(w, scale[:, None], wdt))
         m.weight_scale.copy_(scale)
         if activation_scheme == "static":

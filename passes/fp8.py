@@ -8,6 +8,7 @@
     static_calibration = "absmax"       # static scale from the abs-max, or "percentile"
     modules_to_not_convert = ["lm_head", "embed_tokens"]
     max_layer_error = 0.1               # relative output error above which a layer stays in float
+    weight_rounding = "nearest"         # or "gptq": error-compensating rounding on calibration inputs
     kv_cache_dtype = "float8_e4m3fn"    # "none" keeps the KV cache in the model dtype
 
 Phases: (1) run the calibration windows through the model in its dtype, hooks recording for
@@ -29,12 +30,13 @@ import torch.nn as nn
 
 from compiler.config import ModelConfig
 from compiler.errors import ConfigError
-from compiler.fp8 import FP8_DTYPES, Fp8DtypeName, Fp8Linear, fp8_max
+from compiler.fp8 import FP8_DTYPES, Fp8DtypeName, Fp8Linear, dequantize, fp8_max, quantize, weight_scale
 from compiler.fp8_kv import KVObserver, install_kv_quant, kv_cache_entry
 from compiler.model import Transformer
 from compiler.pipeline import Pass, PassContext, PassReport, register_pass
 from compiler.progress import track
 from compiler.qlinear import linear_modules
+from passes.gptq import gptq_round
 
 
 @dataclass
@@ -52,6 +54,10 @@ class Fp8Options:
     # A pattern names a module by a glob over its full name or by dotted components ("lm_head", "layers.0").
     modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head", "embed_tokens"])
     max_layer_error: float | None = 0.1
+    # "gptq": round each weight column in turn and push its error onto the columns not yet
+    # rounded, weighted by the inverse Hessian of the calibration inputs (passes/gptq.py).
+    weight_rounding: Literal["nearest", "gptq"] = "nearest"
+    gptq_damp: float = 0.01
     convert_linears: bool = True  # false: only the KV cache (for measuring it alone)
     kv_cache_dtype: Literal["none", "float8_e4m3fn", "float8_e5m2"] = "none"
     kv_cache_granularity: Literal["per_tensor", "per_head"] = "per_head"
@@ -65,6 +71,8 @@ class Fp8Options:
             raise ValueError(f"max_layer_error must be > 0 (or left out for no fallback), got {self.max_layer_error}")
         if self.calibration_samples is not None and self.calibration_samples < 1:
             raise ValueError(f"calibration_samples must be >= 1, got {self.calibration_samples}")
+        if not 0 < self.gptq_damp < 1:
+            raise ValueError(f"gptq_damp must be in (0, 1), got {self.gptq_damp}")
         if self.error_tokens < 1:
             raise ValueError(f"error_tokens must be >= 1, got {self.error_tokens}")
         if not self.convert_linears and self.kv_cache_dtype == "none":
@@ -139,23 +147,35 @@ class Fp8Pass(Pass):
 
     def _needs_calibration(self, candidates: list[str]) -> bool:
         o = self.options
-        return o.kv_cache_dtype != "none" or bool(candidates) and (o.activation_scheme == "static" or o.max_layer_error is not None)
+        return o.kv_cache_dtype != "none" or bool(candidates) and (
+            o.activation_scheme == "static" or o.max_layer_error is not None or o.weight_rounding == "gptq")
 
     @torch.inference_mode()
     def _calibrate(self, model: Transformer, context: PassContext, candidates: list[str]) -> dict:
-        """name -> {"token_amax": [N], "rows": [R, in]} per candidate; "__kv__" -> observers."""
+        """name -> {"token_amax": [N], "rows": [R, in], "hessian": [in, in] (gptq)} per candidate;
+        "__kv__" -> observers."""
         if not self._needs_calibration(candidates):
             return {}
         o = self.options
         windows = context.calibration_windows(o.calibration_samples)
         stride = max(1, windows.numel() // o.error_tokens)  # every stride-th token is kept for errors
         stats = {n: {"token_amax": [], "rows": []} for n in candidates}
+        # GPTQ's Hessians: q/k/v (and gate/up) read one tensor, so they share one running XᵀX.
+        hessians: dict[str, torch.Tensor] = {}  # first reader's name -> sum of XᵀX
+        owner: dict[str, str] = {}  # candidate -> the first reader of its input
+        last = {"x": None, "name": None}
 
         def hook(name):
             def record(_module, args):
                 x = args[0].detach().reshape(-1, args[0].shape[-1])  # [B*T, in]
                 stats[name]["token_amax"].append(x.abs().amax(-1).float())
                 stats[name]["rows"].append(x[::stride].float().clone())
+                if o.weight_rounding == "gptq":
+                    if args[0] is not last["x"]:  # `is`, and holding it, so no id is ever reused
+                        last.update(x=args[0], name=name)
+                        xf = x.float()
+                        hessians[name] = hessians.get(name, 0) + xf.T @ xf
+                    owner[name] = last["name"]
             return record
 
         handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in candidates]
@@ -173,8 +193,11 @@ class Fp8Pass(Pass):
                 h.remove()
             for layer, prev in zip(model.layers, saved):
                 layer.self_attn.kv_quant = prev
+        last.clear()
         out = {n: {"token_amax": torch.cat(s["token_amax"]), "rows": torch.cat(s["rows"])[: o.error_tokens]}
                for n, s in stats.items()}
+        for n in owner:  # H = XᵀX / T
+            out[n]["hessian"] = hessians[owner[n]] / len(out[n]["token_amax"])
         out["__kv__"] = observers
         return out
 
@@ -183,12 +206,24 @@ class Fp8Pass(Pass):
         amax = token_amax.max() if o.static_calibration == "absmax" else torch.quantile(token_amax, o.percentile / 100)
         return float(amax) / fp8_max(FP8_DTYPES[o.activation_dtype])
 
+    def _gptq_weight(self, linear: nn.Linear, hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """GPTQ-rounded weight on the FP8 grid of the original weight's abs-max scales."""
+        o = self.options
+        dtype = FP8_DTYPES[o.weight_dtype]
+        scale = weight_scale(linear.weight, dtype, o.granularity)[:, None]
+        weight = gptq_round(linear.weight, hessian, lambda cols, _: dequantize(quantize(cols, scale, dtype), scale), damp=o.gptq_damp)
+        return weight, scale[:, 0]
+
     def _convert(self, model: Transformer, name: str, stats: dict | None) -> dict:
         """Quantize one Linear; keep it in float if its error on calibration rows is too high."""
         o = self.options
         linear = model.get_submodule(name)
         input_scale = self._input_scale(stats["token_amax"]) if o.activation_scheme == "static" else None
-        q = Fp8Linear.from_linear(linear, o.weight_dtype, o.granularity, o.activation_dtype, o.activation_scheme, input_scale)
+        weight = scale = None
+        if o.weight_rounding == "gptq":
+            weight, scale = self._gptq_weight(linear, stats["hessian"])
+        q = Fp8Linear.from_linear(linear, o.weight_dtype, o.granularity, o.activation_dtype, o.activation_scheme,
+                                  input_scale, weight, scale)
         row = {"module": name, "decision": "fp8"}
         if input_scale is not None:
             row["input_scale"] = input_scale

@@ -1,0 +1,60 @@
+"""GPTQ's error-compensating rounding (Frantar et al., ICLR 2023), for any element-wise format.
+
+Rounding column j of a weight W [N, K] to the target grid leaves an error; GPTQ spreads it over
+the columns not yet rounded, weighted by the inverse Hessian of the layer's output error
+H = XᵀX / T (X: calibration inputs), so that ``||X (Q - W)ᵀ||²`` ends up far below
+round-to-nearest's. The quantizer's parameters (row or group scales, zero points) are fixed
+beforehand from the weight, as with GPTQ's static groups, so one loop serves FP8 and INT4.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+RoundColumns = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, round_columns: RoundColumns,
+               block_size: int = 128, damp: float = 0.01, act_order: bool = True) -> torch.Tensor:
+    """Weight [N, K] rounded by ``round_columns(values [N, b], columns [b]) -> [N, b]`` (values
+    on the grid; ``columns`` are their indices in ``weight``, for formats with per-group scales),
+    with GPTQ's error compensation. ``damp`` (fraction of H's mean diagonal) keeps the Cholesky
+    factorisation stable; ``act_order`` rounds the columns with the largest inputs first."""
+    w = weight.detach().float().clone()
+    h = hessian.detach().float().clone()
+    k = w.shape[1]
+    dead = h.diagonal() == 0  # channels never active in calibration: nothing to compensate with
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    order = torch.argsort(h.diagonal(), descending=True) if act_order else torch.arange(k)
+    w, h = w[:, order], h[order][:, order]
+    h.diagonal().add_(damp * h.diagonal().mean())
+    # Upper Cholesky factor of H⁻¹: row i holds the update of columns i.. after rounding column i.
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    q = torch.empty_like(w)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # thousands of small ops: thread hand-offs cost more than they save
+    try:
+        _round_blocks(w, hinv, q, lambda values, i: round_columns(values, order[i : i + 1]), block_size)
+    finally:
+        torch.set_num_threads(threads)
+    return q[:, torch.argsort(order)].to(weight.dtype)
+
+
+def _round_blocks(w, hinv, q, round_columns, block_size):
+    """GPTQ's loop: column by column inside a block, one matmul per block for the rest (lazy batch)."""
+    k = w.shape[1]
+    for start in range(0, k, block_size):
+        end = min(start + block_size, k)
+        block, hb = w[:, start:end].clone(), hinv[start:end, start:end]
+        errors = torch.empty_like(block)
+        for i in range(end - start):
+            col = block[:, i : i + 1]
+            rounded = round_columns(col, start + i)
+            q[:, start + i] = rounded[:, 0]
+            err = (col - rounded) / hb[i, i]
+            block[:, i:] -= err @ hb[i : i + 1, i:]
+            errors[:, i : i + 1] = err
+        w[:, end:] -= errors @ hinv[start:end, end:]  # the columns still to round

@@ -1,0 +1,46 @@
+"""GPTQ's error-compensating rounding (passes/gptq.py) against round-to-nearest."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiler.fp8 import dequantize, quantize, weight_scale
+from passes.gptq import gptq_round
+
+
+def correlated_inputs(t=2048, k=256, rank=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(t, rank, generator=g) @ torch.randn(rank, k, generator=g) + 0.1 * torch.randn(t, k, generator=g)
+
+
+def fp8_rounder(w):
+    scale = weight_scale(w, torch.float8_e4m3fn, "per_channel")[:, None]
+    return lambda cols, _: dequantize(quantize(cols, scale, torch.float8_e4m3fn), scale)
+
+
+@pytest.mark.parametrize("act_order", [True, False])
+def test_gptq_lowers_output_error_and_stays_on_the_grid(act_order):
+    x = correlated_inputs(seed=1)
+    w = torch.randn(64, x.shape[1], generator=torch.Generator().manual_seed(2)) * 0.02
+    rnd = fp8_rounder(w)
+    q = gptq_round(w, x.T @ x / len(x), rnd, block_size=32, act_order=act_order)
+    rel = lambda q: float((x @ (q - w).T).norm() / (x @ w.T).norm())  # noqa: E731
+    print(f"act_order={act_order}: relative output error nearest {rel(rnd(w, None)):.4f}, gptq {rel(q):.4f}")
+    assert torch.isfinite(q).all()
+    assert torch.equal(rnd(q, None), q)  # every value is a code of the format at the row's scale
+    assert rel(q) < 0.5 * rel(rnd(w, None))
+
+
+def test_gptq_with_uncorrelated_inputs_is_round_to_nearest():
+    """H diagonal: no column can absorb another's error, so GPTQ is exactly RTN."""
+    w = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    rnd = fp8_rounder(w)
+    assert torch.equal(gptq_round(w, torch.diag(torch.rand(32) + 0.5), rnd), rnd(w, None))
+
+
+def test_gptq_handles_channels_never_active():
+    x = correlated_inputs(k=64, seed=4)
+    x[:, 5] = 0
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(5))
+    q = gptq_round(w, x.T @ x, fp8_rounder(w))
+    assert torch.isfinite(q).all() and q[:, 5].eq(0).all()  # a dead input's weight does not matter
