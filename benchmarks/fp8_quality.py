@@ -41,9 +41,10 @@ VARIANTS = {  # the issue's four figures first, then the other options
     "kv-e4m3-per-tensor": {"convert_linears": False, "kv_cache_dtype": "float8_e4m3fn", "kv_cache_granularity": "per_tensor"},
     "kv-e5m2-per-head": {"convert_linears": False, "kv_cache_dtype": "float8_e5m2"},
     "w8-only": {"activation_scheme": "none"},
-    "w8a8-dynamic-gptq": {"weight_rounding": "gptq"},
-    "w8a8-static-absmax-gptq": {"activation_scheme": "static", "weight_rounding": "gptq"},
-    "w8-only-gptq": {"activation_scheme": "none", "weight_rounding": "gptq"},
+    # round-to-nearest weights (weight_rounding = "nearest") instead of GPTQ's, for comparison
+    "w8a8-dynamic-nearest": {"weight_rounding": "nearest"},
+    "w8a8-static-absmax-nearest": {"activation_scheme": "static", "weight_rounding": "nearest"},
+    "w8-only-nearest": {"activation_scheme": "none", "weight_rounding": "nearest"},
 }
 
 

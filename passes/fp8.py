@@ -8,12 +8,14 @@
     static_calibration = "absmax"       # static scale from the abs-max, or "percentile"
     modules_to_not_convert = ["lm_head", "embed_tokens"]
     max_layer_error = 0.1               # relative output error above which a layer stays in float
-    weight_rounding = "nearest"         # or "gptq": error-compensating rounding on calibration inputs
+    weight_rounding = "gptq"            # error-compensating rounding on calibration inputs; or "nearest"
     kv_cache_dtype = "float8_e4m3fn"    # "none" keeps the KV cache in the model dtype
 
 Phases: (1) run the calibration windows through the model in its dtype, hooks recording for
-each candidate Linear the abs-max of every input token and a sample of input rows, and for
-each attention layer the per-head K/V abs-max; (2) quantize each candidate, measure its relative
+each candidate Linear the abs-max of every input token, a sample of input rows and (GPTQ) the
+Gram matrix XᵀX of its inputs, and for each attention layer the per-head K/V abs-max;
+(2) quantize each candidate (GPTQ: each weight column in turn, its rounding error pushed onto
+the columns not yet rounded; weight scales stay the abs-max ones), measure its relative
 output error on the sampled rows and keep it in float if that exceeds ``max_layer_error`` (a
 recorded decision, never silent); (3) install the FP8 KV rounding and record its scales in the
 manifest's ``kv_cache`` entry for the engine. Formats and buffers: ``compiler/fp8.py``.
@@ -56,7 +58,7 @@ class Fp8Options:
     max_layer_error: float | None = 0.1
     # "gptq": round each weight column in turn and push its error onto the columns not yet
     # rounded, weighted by the inverse Hessian of the calibration inputs (passes/gptq.py).
-    weight_rounding: Literal["nearest", "gptq"] = "nearest"
+    weight_rounding: Literal["gptq", "nearest"] = "gptq"
     gptq_damp: float = 0.01
     convert_linears: bool = True  # false: only the KV cache (for measuring it alone)
     kv_cache_dtype: Literal["none", "float8_e4m3fn", "float8_e5m2"] = "none"

@@ -35,9 +35,11 @@ def ids(n=2, t=24, vocab=300):
     return torch.randint(3, vocab, (n, t), generator=torch.Generator().manual_seed(7))
 
 
+# Bounds: the logits are of random ids, unlike the calibration text; GPTQ's fit to calibration
+# inputs (the default rounding) does not carry over to them on a random tiny model (0.22 vs 0.18).
 @pytest.mark.parametrize("options, bound", [
-    ({}, 0.2),  # W8A8, per-channel weights, dynamic per-token activations
-    ({"activation_scheme": "static", "static_calibration": "percentile", "granularity": "per_tensor"}, 0.2),
+    ({}, 0.3),  # W8A8, per-channel weights, dynamic per-token activations
+    ({"activation_scheme": "static", "static_calibration": "percentile", "granularity": "per_tensor"}, 0.3),
     # E5M2 keeps 2 mantissa bits (E4M3: 3); the tiny random model amplifies rounding
     ({"weight_dtype": "float8_e5m2", "activation_dtype": "float8_e5m2", "kv_cache_dtype": "float8_e5m2",
       "kv_cache_granularity": "per_tensor"}, 0.6),
@@ -52,6 +54,7 @@ def test_artifact_round_trip_gives_same_logits(tiny, tmp_path, options, bound):
     assert torch.equal(reloaded.model(ids()), in_memory)
     assert torch.isfinite(in_memory).all()
     rel = float((in_memory - float_logits).norm() / float_logits.norm())
+    print(f"{options}: relative logit error {rel:.4f}")
     assert 0 < rel < bound  # quantized (not identical), but close
     mods = reloaded.manifest["modules"]
     assert len(mods) == 14 and "lm_head" not in mods  # 2 layers × 7 Linears; lm_head kept by default
@@ -163,6 +166,8 @@ def test_two_passes_cannot_claim_one_layer(tiny):
     ({"granularity": "per_group"}, "granularity"),
     ({"percentile": 0}, "percentile"),
     ({"max_layer_error": -1.0}, "max_layer_error"),
+    ({"weight_rounding": "stochastic"}, "weight_rounding"),
+    ({"gptq_damp": 0}, "gptq_damp"),
     ({"convert_linears": False}, "converts nothing"),
     ({"kv_cache_granularity": "per_token"}, "kv_cache_granularity"),
     ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert"),
@@ -206,10 +211,11 @@ def test_cli_reports_bad_fp8_option_in_one_line(tmp_path, tiny_checkpoint):
 
 
 def test_gptq_rounding_lowers_layer_errors(tiny, tmp_path):
-    """weight_rounding = "gptq" compensates rounding on calibration inputs: lower error per layer."""
-    nearest = compile_loaded(tiny(), pipeline(max_layer_error=10.0, activation_scheme="none"), tmp_path / "a").reports[0]
-    gptq = compile_loaded(tiny(), pipeline(max_layer_error=10.0, activation_scheme="none", weight_rounding="gptq"),
-                          tmp_path / "b").reports[0]
+    """GPTQ (the default weight_rounding) compensates rounding on calibration inputs: lower error per layer
+    on held calibration rows (``rel_error`` is measured on the calibration inputs' sample)."""
+    nearest = compile_loaded(tiny(), pipeline(max_layer_error=10.0, activation_scheme="none", weight_rounding="nearest"),
+                             tmp_path / "a").reports[0]
+    gptq = compile_loaded(tiny(), pipeline(max_layer_error=10.0, activation_scheme="none"), tmp_path / "b").reports[0]
     before = sum(r["rel_error"] for r in nearest.layers) / len(nearest.layers)
     after = sum(r["rel_error"] for r in gptq.layers) / len(gptq.layers)
     print(f"mean relative layer error: nearest {before:.4f}, gptq {after:.4f}")
