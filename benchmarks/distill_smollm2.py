@@ -95,7 +95,7 @@ def run_qat(args, teacher, tokenizer) -> dict:
         label = f"AWQ INT4 g128 fallback (calibration {args.awq_samples} x {args.awq_seq_len} pydoc-pool tokens)"
     else:
         student, label = int4_student(teacher), "RTN INT4 g128 (g64 fallback)"
-    outcome = run_distillation(teacher, student, tokenizer, _options(args, args.out / "qat"))
+    outcome = run_distillation(teacher, student, tokenizer, _options(args, args.out / "qat"), args.out / "qat")
     return {"student": f"{label}, lm_head float; embeddings frozen", **outcome.metrics}
 
 
@@ -104,7 +104,8 @@ def run_half(args, teacher, tokenizer) -> dict:
     results = {}
     for label, kw in (("kd", {}), ("ce_only", dict(alpha=0.0, beta=0.0, gamma=1.0))):
         student = keep_layers_student(teacher, keep)
-        outcome = run_distillation(teacher, student, tokenizer, _options(args, args.out / f"half-{label}", lr=args.half_lr, **kw))
+        out = args.out / f"half-{label}"
+        outcome = run_distillation(teacher, student, tokenizer, _options(args, out, lr=args.half_lr, **kw), out)
         results[label] = outcome.metrics
     return {"student": f"keep_layers {keep}", **results}
 
