@@ -22,7 +22,7 @@ from compiler.pipeline import Pipeline, PipelineConfig
 from compiler.targets import TARGETS, TargetSpec, register_target
 from passes.awq import AWQPass, BlockQuantizer
 from passes.awq_plan import SCALING_GROUPS, AWQOptions, plan_layers
-from passes.awq_search import fast_fake_quantize
+from passes.awq_search import candidate_scales, fast_fake_quantize, weight_mean
 
 ROOT = Path(__file__).resolve().parents[1]
 # GQA (4 query heads on 2 kv heads) so v -> o folding goes through the head mapping.
@@ -53,7 +53,8 @@ def test_quantize_pack_unpack_round_trip_is_exact(k, g, zero_point):
 
 
 def _capture_all(model, tokenizer, opts: AWQOptions):
-    """Per block: (block prefix, input stats), propagating float inputs as the pass does."""
+    """Per block: (block prefix, input stats, input sample for module scoring), propagating float
+    inputs as the pass does."""
     from calib import CalibrationConfig
     from compiler.pipeline import PassContext
 
@@ -66,8 +67,9 @@ def _capture_all(model, tokenizer, opts: AWQOptions):
         cos, sin = model.rope(positions, x.dtype)
         out = []
         for i, block in enumerate(model.layers):
+            sample = (x[:2], cos[:2], sin[:2], positions[:2])
             x, stats = p._capture(block, x, cos, sin, positions, torch.Generator().manual_seed(0))
-            out.append((f"layers.{i}.", stats))
+            out.append((f"layers.{i}.", stats, sample))
     return out
 
 
@@ -81,10 +83,14 @@ def test_scale_folding_leaves_float_model_unchanged(tiny_checkpoint_with_tokeniz
         before = model(ids)
         opts = AWQOptions(group_size=32)
         plans, _ = plan_layers(model.config, opts)
-        # 1) the searched scales, folded by the pass's own code
+        # 1) the searched scales (module scoring included: it must restore every weight it tries),
+        #    folded by the pass's own code
         alphas = []
-        for prefix, stats in _capture_all(model, loaded.tokenizer, opts):
-            rows, _ = BlockQuantizer(model, prefix, plans, opts, None).search_and_fold(stats)
+        for prefix, stats, sample in _capture_all(model, loaded.tokenizer, opts):
+            worker = BlockQuantizer(model, prefix, plans, opts, None)
+            worker.inspected = worker._inspect_modules(sample)
+            assert set(worker.inspected) == {"self_attn", "mlp"}
+            rows, _ = worker.search_and_fold(stats)
             alphas += [r["alpha"] for r in rows.values()]
         # 2) large random scales on every group (incl. GQA v -> o), so folding is surely exercised
         gen = torch.Generator().manual_seed(5)
@@ -216,3 +222,15 @@ def test_example_pipeline_files_validate():
     for f in files:
         formats = Pipeline(PipelineConfig.from_toml(EXAMPLES_DIR / f)).validate(SMOLLM2_LIKE)
         assert formats and all(fmt["format"] == "int4" for fmt in formats.values())
+
+
+def test_duo_scaling_candidates_follow_autoawq():
+    """s = mean|x|^α / (w_mean^(1-α) + 1e-4), w_mean = mean over rows of |w| / its group's max."""
+    w = torch.tensor([[1.0, -2.0, 4.0, 0.5], [2.0, 2.0, -1.0, 1.0]])
+    w_mean = weight_mean(w, group_size=2)
+    assert torch.allclose(w_mean, torch.tensor([(0.5 + 1.0) / 2, (1.0 + 1.0) / 2, (1.0 + 1.0) / 2, (0.125 + 1.0) / 2]), atol=1e-5)
+    x_mean = torch.tensor([1.0, 4.0, 0.5, 2.0])
+    s = candidate_scales(x_mean, 0.5, w_mean)
+    raw = x_mean.sqrt() / (w_mean.sqrt() + 1e-4)
+    assert torch.allclose(s, raw / (raw.max() * raw.min()).sqrt())
+    assert torch.allclose(candidate_scales(x_mean, 0.0), torch.ones(4))  # α = 0 without duo: plain RTN
