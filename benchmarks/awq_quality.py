@@ -2,6 +2,7 @@
 
     python benchmarks/awq_quality.py                       # float, RTN and AWQ at g128-fallback, g64, g32
     python benchmarks/awq_quality.py --groups 64 --samples 128 --windows 16
+    python benchmarks/awq_quality.py --groups 64 --methods awq --set duo_scaling=all   # any awq option
 
 Protocol: pydoc corpus, calibration ``--samples`` × 512 tokens (seed 0), perplexity on the first
 ``--windows`` 512-token evaluation windows (``calib.protocol``). Each (method, group size) runs in
@@ -27,7 +28,7 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_one(method: str, group_size: int, samples: int, windows: int) -> dict:
+def run_one(method: str, group_size: int, samples: int, windows: int, options: dict) -> dict:
     """Load SmolLM2, quantize it with ``method`` (float | rtn | awq), evaluate; one JSON row."""
     import torch
 
@@ -46,7 +47,7 @@ def run_one(method: str, group_size: int, samples: int, windows: int) -> dict:
             model.set_submodule(name, Int4Linear.from_float(model.get_submodule(name), plan.group_size))
     elif method == "awq":
         config = PipelineConfig.from_dict({"calibration": {"samples": samples, "seq_len": 512},
-                                           "passes": [{"name": "awq", "group_size": group_size}]})
+                                           "passes": [{"name": "awq", "group_size": group_size, **options}]})
         pipeline = Pipeline(config)
         pipeline.validate(model.config)
         context = PassContext(tokenizer=loaded.tokenizer, calibration=config.calibration)
@@ -56,11 +57,13 @@ def run_one(method: str, group_size: int, samples: int, windows: int) -> dict:
     ppl = evaluate_perplexity(loaded, "pydoc", windows)["ppl"]
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"method": method, "group_size": group_size, "ppl": ppl, "quant_wall_s": quant_wall,
-            "quant_cpu_s": quant_cpu, "peak_rss_mib": peak_mib, "samples": samples, "windows": windows}
+            "quant_cpu_s": quant_cpu, "peak_rss_mib": peak_mib, "samples": samples, "windows": windows,
+            "options": options}
 
 
-def _child(method: str, group_size: int, samples: int, windows: int) -> dict:
+def _child(method: str, group_size: int, samples: int, windows: int, sets: list[str]) -> dict:
     cmd = [sys.executable, __file__, "--one", f"{method}:{group_size}", "--samples", str(samples), "--windows", str(windows)]
+    cmd += [a for kv in sets for a in ("--set", kv)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:
         raise SystemExit(f"{method} g{group_size} failed:\n{proc.stderr[-3000:]}")
@@ -74,20 +77,33 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an awq pass option for the AWQ rows (VALUE as JSON, else a string)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         method, g = args.one.split(":")
-        print(json.dumps(run_one(method, int(g), args.samples, args.windows)))
+        print(json.dumps(run_one(method, int(g), args.samples, args.windows, _options(args.set))))
         return
     jobs = [("float", 0)] + [(m, int(g)) for g in args.groups.split(",") for m in args.methods.split(",")]
     rows = []
     for method, g in jobs:
-        rows.append(_child(method, g, args.samples, args.windows))
+        rows.append(_child(method, g, args.samples, args.windows, args.set))
         print(json.dumps(rows[-1]), flush=True)  # each row as soon as it exists
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     print(markdown_table(rows))
+
+
+def _options(sets: list[str]) -> dict:
+    options = {}
+    for kv in sets:
+        key, _, value = kv.partition("=")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -7,7 +7,8 @@ Block by block over the decoder (memory: the calibration activations of one bloc
    over every token and the Gram matrix X^T X of a token subsample (``search_tokens``).
 2. scale search, per scaling group (input_layernorm → q/k/v, v → o, post_attention_layernorm
    → gate/up, up → down; see ``awq_plan.SCALING_GROUPS``): s = mean|x|^α / mean|ŵ|^(1-α)
-   (AutoAWQ's duo scaling; s = mean|x|^α without it) over the α grid. Every α is scored by the
+   (AutoAWQ's duo scaling; s = mean|x|^α without it, and by default on up → down, see
+   ``ScalingGroup.duo``) over the α grid. Every α is scored by the
    group's linear output error (Gram matrices, cheap); where the group feeds a larger module
    (q/k/v → self_attn, gate/up → mlp) the ``module_candidates`` best are re-scored on that
    module's output over ``module_sequences`` calibration sequences, the block-output criterion
@@ -80,7 +81,7 @@ class AWQPass(Pass):
         report.metrics = _metrics(report.layers, windows, opts)
         scoring = (f"the best {opts.module_candidates} re-scored on self_attn / mlp outputs over {k} sequences"
                    if opts.module_candidates > 1 and k else "scored on the linears' own output error")
-        report.notes.append(f"α grid of {opts.alpha_grid} ({'duo scaling' if opts.duo_scaling else 'activation scaling'}), "
+        report.notes.append(f"α grid of {opts.alpha_grid} (duo scaling {opts.duo_scaling}), "
                             f"{scoring}; clip search skips q_proj/k_proj (as llm-awq)")
         return report
 
@@ -215,7 +216,7 @@ class BlockQuantizer:
         w = torch.cat([self.block.get_submodule(n).weight.float() for n in converted])
         g = self.plans[self.prefix + converted[0]].group_size
         w_mean = None
-        if self.opts.duo_scaling:
+        if self.opts.duo_scaling == "all" or self.opts.duo_scaling == "auto" and group.duo:
             w_mean = weight_mean(w, g)
             if expand is not None:
                 w_mean = torch.zeros(len(mean)).index_add_(0, expand, w_mean) / torch.bincount(expand, minlength=len(mean))

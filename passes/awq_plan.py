@@ -30,7 +30,7 @@ class AWQOptions:
     group_size_policy = "fallback"  # when g does not divide in_features: error | fallback | pad
     zero_point = true             # asymmetric (false: symmetric, zero point 8)
     alpha_grid = 20               # α in {0, 1/20, …, 19/20}
-    duo_scaling = true            # s = mean|x|^α / mean|ŵ|^(1-α) (AutoAWQ's default); false: s = mean|x|^α
+    duo_scaling = "auto"          # s = mean|x|^α / mean|ŵ|^(1-α): "all" groups (AutoAWQ), "auto" (all but up → down), "none" (s = mean|x|^α)
     module_candidates = 4         # the best α by the linears' own error, re-scored on the module's output
     module_sequences = 4          # calibration sequences those module forwards run on
     clip_search = true            # per-group max-value shrink, grid of clip_grid * max_shrink points
@@ -48,7 +48,7 @@ class AWQOptions:
     group_size_policy: Literal["error", "fallback", "pad"] = "fallback"
     max_layer_error: float | None = None
     search_tokens: int = 8192
-    duo_scaling: bool = True
+    duo_scaling: Literal["auto", "all", "none"] = "auto"
     module_candidates: int = 4
     module_sequences: int = 4
     batch_size: int = 8
@@ -78,6 +78,10 @@ class ScalingGroup:
     # The module whose output scores the α grid when it is more than the linears themselves
     # (AutoAWQ's ``module2inspect``): errors in q/k pass through softmax, in gate/up through SiLU.
     inspect: str | None = None
+    # Whether duo scaling applies here under duo_scaling = "auto". On SmolLM2-135M (docs/BENCHMARKS.md)
+    # duo scaling on up → down costs 0.29 perplexity at g128 and gains 0.12 at g64, so "auto" leaves it
+    # out there; "all" (AutoAWQ) puts it back.
+    duo: bool = True
 
 
 # llm-awq / AutoAWQ's mappings for the Llama family, keyed by architecture (as llm-compressor does).
@@ -85,7 +89,7 @@ LLAMA_GROUPS = (
     ScalingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), inspect="self_attn"),
     ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",)),
     ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), inspect="mlp"),
-    ScalingGroup("mlp.up_proj", ("mlp.down_proj",)),
+    ScalingGroup("mlp.up_proj", ("mlp.down_proj",), duo=False),
 )
 SCALING_GROUPS = {"LlamaForCausalLM": LLAMA_GROUPS, "MistralForCausalLM": LLAMA_GROUPS, "Qwen2ForCausalLM": LLAMA_GROUPS}
 
