@@ -8,11 +8,11 @@ Block by block over the decoder (memory: the calibration activations of one bloc
 2. scale search, per scaling group (input_layernorm → q/k/v, v → o, post_attention_layernorm
    → gate/up, up → down; see ``awq_plan.SCALING_GROUPS``): s = mean|x|^α / mean|ŵ|^(1-α)
    (AutoAWQ's duo scaling; s = mean|x|^α without it, and by default on up → down, see
-   ``ScalingGroup.duo``) over the α grid. Every α is scored by the
-   group's linear output error (Gram matrices, cheap); where the group feeds a larger module
-   (q/k/v → self_attn, gate/up → mlp) the ``module_candidates`` best are re-scored on that
-   module's output over ``module_sequences`` calibration sequences, the block-output criterion
-   of the reference implementation, and the best there is kept.
+   ``ScalingGroup.duo``) over the α grid. Every α is scored by the group's linear output error
+   (Gram matrices, cheap); where the group feeds a larger module (q/k/v → self_attn, gate/up →
+   mlp) the ``module_candidates`` best are re-scored on that module's output over
+   ``module_sequences`` calibration sequences (the reference implementation's block-output
+   criterion), and the best there is kept.
 3. fold: the input columns of the group's linears are multiplied by s and ``prev``'s output
    (RMSNorm weight or Linear rows) divided by s — the float model is unchanged.
 4. clip search per (row, group): the max-value shrink ratio minimising output error.

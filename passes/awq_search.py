@@ -1,8 +1,8 @@
 """AWQ's two searches (scales, clipping) and the statistics they run on.
 
-Every loss here (the scale search's first cut, and the clip search) is the output error of the affected linear layers on calibration tokens,
-computed exactly from the Gram matrix of their inputs: for inputs X [T, K] and a weight
-error D = Q(W) - W [N, K],
+Every loss here (the scale search's first cut, and the clip search) is the output error of
+the affected linear layers on calibration tokens, computed exactly from the Gram matrix of
+their inputs: for inputs X [T, K] and a weight error D = Q(W) - W [N, K],
 
     ||X D^T||^2 = sum((D @ H) * D)    with H = X^T X  [K, K].
 
