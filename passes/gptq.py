@@ -4,7 +4,8 @@ Rounding column j of a weight W [N, K] to the target grid leaves an error; GPTQ 
 the columns not yet rounded, weighted by the inverse Hessian of the layer's output error
 H = XᵀX / T (X: calibration inputs), so that ``||X (Q - W)ᵀ||²`` ends up far below
 round-to-nearest's. The quantizer's parameters (row or group scales, zero points) are fixed
-beforehand from the weight, as with GPTQ's static groups, so one loop serves FP8 and INT4.
+beforehand from the weight, as with GPTQ's static groups, so the loop serves any such format
+(the ``fp8`` pass uses it; INT4 with per-group scales would pass the column indices on).
 """
 from __future__ import annotations
 
