@@ -83,6 +83,9 @@ def test_keep_layers_student_is_initialised_from_the_teacher():
     assert [layer.self_attn.layer_idx for layer in student.layers] == [0, 1]
     out = student.generate(torch.tensor([[1, 2, 3]]), 3)  # the KV cache path works with renumbered layers
     assert out.shape == (1, 6)
+    # A teacher frozen by an earlier run (Distiller sets requires_grad False) still gives a trainable student.
+    teacher.requires_grad_(False)
+    assert all(p.requires_grad for p in keep_layers_student(teacher, [0, 2]).parameters())
 
 
 def test_parse_keep_layers():

@@ -115,8 +115,9 @@ def drop_layers(model: Transformer, keep: list[int]) -> Transformer:
 
 
 def keep_layers_student(teacher: Transformer, keep: list[int]) -> Transformer:
-    """A copy of ``teacher`` holding only the layers in ``keep``, initialised from the teacher's weights."""
-    return drop_layers(copy.deepcopy(teacher), keep)
+    """A copy of ``teacher`` holding only the layers in ``keep``, initialised from the teacher's weights;
+    trainable even when the teacher was frozen (a ``Distiller`` freezes its teacher)."""
+    return drop_layers(copy.deepcopy(teacher), keep).requires_grad_(True)
 
 
 def default_layer_map(n_student: int, n_teacher: int) -> list[tuple[int, int]]:
