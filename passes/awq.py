@@ -209,25 +209,21 @@ class BlockQuantizer:
         if not converted:
             return None  # nothing quantized here: no reason to move the scales
         expand = self._expand(group)
-        mean = st.mean_abs
-        if expand is not None:
-            c = self.block.get_submodule(group.prev).weight.shape[0]
-            mean = torch.zeros(c).index_add_(0, expand, mean) / torch.bincount(expand, minlength=c)
+        c = self.block.get_submodule(group.prev).weight.shape[0]
+        to_channels = (lambda v: v) if expand is None else (lambda v: _average_by(v, expand, c))  # columns -> prev's channels
+        to_columns = (lambda s: s) if expand is None else (lambda s: s[expand])  # and back
+        mean = to_channels(st.mean_abs)
         w = torch.cat([self.block.get_submodule(n).weight.float() for n in converted])
         g = self.plans[self.prefix + converted[0]].group_size
-        w_mean = None
-        if self.opts.duo_scaling == "all" or self.opts.duo_scaling == "auto" and group.duo:
-            w_mean = weight_mean(w, g)
-            if expand is not None:
-                w_mean = torch.zeros(len(mean)).index_add_(0, expand, w_mean) / torch.bincount(expand, minlength=len(mean))
+        duo = self.opts.duo_scaling == "all" or self.opts.duo_scaling == "auto" and group.duo
+        w_mean = to_channels(weight_mean(w, g)) if duo else None
         ranked = rank_scales(w, mean, h, g, self.opts.zero_point, self.opts.alpha_grid, expand, w_mean)
         if group.inspect in self.inspected:  # the Gram loss shortlists, the module's output decides
-            expand_cols = (lambda s: s) if expand is None else (lambda s: s[expand])
             shortlist = ranked[: self.opts.module_candidates]
-            ranked = sorted(((self._module_error(group, converted, expand_cols(s)), a, s) for _, a, s in shortlist),
+            ranked = sorted(((self._module_error(group, converted, to_columns(s)), a, s) for _, a, s in shortlist),
                             key=lambda r: r[0])
         _, alpha, s = ranked[0]
-        return s, (s if expand is None else s[expand]), alpha
+        return s, to_columns(s), alpha
 
     def _fold(self, group: ScalingGroup, s: torch.Tensor, s_cols: torch.Tensor) -> None:
         """x' = x / s at ``prev``'s output, W' = W * s on the consumers' columns."""
@@ -271,6 +267,11 @@ class BlockQuantizer:
         if self.target is None:
             return True
         return get_target(self.target).check(plan.name, replace(plan, group_size=g).format(self.opts.zero_point)) is None
+
+
+def _average_by(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """Mean of ``values`` [K] over the columns ``index`` [K] maps to each of n channels."""
+    return torch.zeros(n).index_add_(0, index, values) / torch.bincount(index, minlength=n)
 
 
 def _group_label(group: ScalingGroup) -> str:

@@ -198,8 +198,10 @@ class Fp8Pass(Pass):
         last.clear()
         out = {n: {"token_amax": torch.cat(s["token_amax"]), "rows": torch.cat(s["rows"])[: o.error_tokens]}
                for n, s in stats.items()}
-        for n in owner:  # H = XᵀX / T
-            out[n]["hessian"] = hessians[owner[n]] / len(out[n]["token_amax"])
+        for h in hessians.values():  # H = XᵀX / T (every Linear sees every calibration token)
+            h.div_(windows.numel())
+        for n in owner:  # readers of one input share one tensor
+            out[n]["hessian"] = hessians[owner[n]]
         out["__kv__"] = observers
         return out
 
