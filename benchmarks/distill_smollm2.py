@@ -102,7 +102,9 @@ def run_qat(args, teacher, tokenizer) -> dict:
 def run_half(args, teacher, tokenizer) -> dict:
     keep = list(range(0, teacher.config.n_layers, 2))
     results = {}
-    for label, kw in (("kd", {}), ("ce_only", dict(alpha=0.0, beta=0.0, gamma=1.0))):
+    variants = {"kd": dict(hidden_norm=args.hidden_norm), "ce_only": dict(alpha=0.0, beta=0.0, gamma=1.0)}
+    for label in args.variants:
+        kw = variants[label]
         student = keep_layers_student(teacher, keep)
         out = args.out / f"half-{label}"
         outcome = run_distillation(teacher, student, tokenizer, _options(args, out, lr=args.half_lr, **kw), out)
@@ -160,6 +162,8 @@ def main() -> None:
     p.add_argument("--eval-windows", type=int, default=8)
     p.add_argument("--eval-len", type=int, default=512)
     p.add_argument("--ckpt", action="store_true")
+    p.add_argument("--hidden-norm", choices=("rms", "none"), default="rms", help="half: the KD run's hidden_norm")
+    p.add_argument("--variants", nargs="+", choices=("kd", "ce_only"), default=["kd", "ce_only"], help="half: which runs")
     p.add_argument("--student", choices=("awq", "rtn"), default="awq", help="qat: the INT4 student to start from")
     p.add_argument("--awq-samples", type=int, default=32)
     p.add_argument("--awq-seq-len", type=int, default=256)

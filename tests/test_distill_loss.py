@@ -41,7 +41,7 @@ def test_total_loss_combines_weighted_terms():
     th = [torch.randn(2, 4, 3) for _ in range(3)]
     sh = [torch.randn(2, 4, 3) for _ in range(2)]
     pairs = [(0, 1), (1, 2)]
-    w = LossWeights(alpha=0.7, beta=0.3, gamma=0.2, temperature=2.0)
+    w = LossWeights(alpha=0.7, beta=0.3, gamma=0.2, temperature=2.0, hidden_norm="none")
     terms = distill_loss(w, ids, t, s, th, sh, pairs)
     kl = kl_per_token(t, s, 2.0).mean()
     mse = (((sh[0] - th[1]) ** 2).mean() + ((sh[1] - th[2]) ** 2).mean()) / 2
@@ -52,9 +52,27 @@ def test_total_loss_combines_weighted_terms():
     assert terms["loss"].item() == pytest.approx((0.7 * 4 * kl + 0.3 * mse + 0.2 * ce).item(), rel=1e-6)
 
 
+def test_rms_hidden_norm_compares_directions_per_token():
+    torch.manual_seed(0)
+    th = [torch.randn(2, 4, 3) * torch.tensor([1.0, 300.0, 1.0, 1.0])[None, :, None]]  # one massive token
+    sh = [torch.randn(2, 4, 3)]
+    terms = distill_loss(LossWeights(alpha=0, beta=1.0, hidden_norm="rms"), torch.zeros(2, 4, dtype=torch.long),
+                         torch.zeros(2, 4, 5), torch.zeros(2, 4, 5), th, sh, [(0, 0)])
+
+    def by_hand(h):  # each token divided by sqrt(mean of its squares)
+        return h / (h ** 2).mean(-1, keepdim=True).sqrt()
+
+    assert terms["mse"].item() == pytest.approx(((by_hand(sh[0]) - by_hand(th[0])) ** 2).mean().item(), rel=1e-5)
+    # scale-invariant per token: rescaling one token of the student changes nothing
+    sh_scaled = [sh[0] * torch.tensor([1.0, 7.0, 1.0, 0.5])[None, :, None]]
+    again = distill_loss(LossWeights(alpha=0, beta=1.0, hidden_norm="rms"), torch.zeros(2, 4, dtype=torch.long),
+                         torch.zeros(2, 4, 5), torch.zeros(2, 4, 5), th, sh_scaled, [(0, 0)])
+    assert again["mse"].item() == pytest.approx(terms["mse"].item(), rel=1e-5)
+
+
 def test_default_weights_are_the_recipe():
     w = LossWeights()
-    assert (w.alpha, w.beta, w.gamma, w.temperature) == (1.0, 0.1, 0.0, 1.0)
+    assert (w.alpha, w.beta, w.gamma, w.temperature, w.hidden_norm) == (1.0, 0.1, 0.0, 1.0, "rms")
 
 
 def test_projection_path_maps_student_width_and_learns():
@@ -68,7 +86,7 @@ def test_projection_path_maps_student_width_and_learns():
     assert out[..., 3:].abs().max() == 0
     th = [torch.randn(1, 2, 5), torch.randn(1, 2, 5)]
     sh = [h.clone().requires_grad_(), torch.randn(1, 2, 3, requires_grad=True)]
-    terms = distill_loss(LossWeights(alpha=0, beta=1.0), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 4),
+    terms = distill_loss(LossWeights(alpha=0, beta=1.0, hidden_norm="none"), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 4),
                          torch.zeros(1, 2, 4), th, sh, [(0, 0), (1, 1)], proj)
     want = (((proj(0, sh[0]) - th[0]) ** 2).mean() + ((proj(1, sh[1]) - th[1]) ** 2).mean()) / 2
     assert terms["loss"].item() == pytest.approx(want.item(), rel=1e-6)

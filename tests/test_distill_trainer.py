@@ -217,6 +217,7 @@ def test_loader_order_is_seeded_and_resumable():
     (dict(warmup_steps=10, steps=5), "warmup_steps"),
     (dict(layer_map=[[0]]), "layer_map"),
     (dict(min_lr_ratio=2.0), "min_lr_ratio"),
+    (dict(hidden_norm="layer"), "hidden_norm.*rms.*none"),
 ])
 def test_bad_options(bad, match):
     from compiler.options import parse_options

@@ -44,6 +44,7 @@ def distill_cmd(
     beta: float = typer.Option(0.1, help="Weight of the hidden-state MSE."),
     gamma: float = typer.Option(0.0, help="Weight of the next-token cross-entropy."),
     temperature: float = typer.Option(1.0, help="Softmax temperature of the KL term."),
+    hidden_norm: str = typer.Option("rms", help="rms | none: compare hidden states after a per-token RMS normalization, or raw."),
     learn_qparams: bool = typer.Option(False, "--learn-qparams", help="QAT: learn INT4 scales and zero points too."),
     freeze_embeddings: bool = typer.Option(False, "--freeze-embeddings", help="Do not train embeddings / lm_head."),
     precision: str = typer.Option("auto", help="auto | fp32 | bf16 | fp16 (auto: fp32 on CPU, bf16 on accelerators)."),
@@ -73,7 +74,7 @@ def distill_cmd(
     options = parse_options(DistillOptions, dict(
         teacher=teacher, student=student, corpus=corpus, steps=steps, seq_len=seq_len, batch_size=batch_size,
         grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps, alpha=alpha, beta=beta, gamma=gamma,
-        temperature=temperature, learn_qparams=learn_qparams, freeze_embeddings=freeze_embeddings, precision=precision,
+        temperature=temperature, hidden_norm=hidden_norm, learn_qparams=learn_qparams, freeze_embeddings=freeze_embeddings, precision=precision,
         gradient_checkpointing=gradient_checkpointing, fsdp=fsdp, checkpoint_every=checkpoint_every,
         keep_checkpoints=keep_checkpoints, eval_windows=eval_windows, eval_len=eval_len, heldout=list(heldout),
         seed=seed, output_dir=str(output), tensorboard=tensorboard), "distill")

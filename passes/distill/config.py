@@ -7,6 +7,7 @@ from typing import Literal
 from passes.distill.loss import LossWeights
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+HIDDEN_NORMS = ("rms", "none")
 
 
 @dataclass
@@ -40,6 +41,7 @@ class DistillOptions:
     beta: float = 0.1
     gamma: float = 0.0
     temperature: float = 1.0
+    hidden_norm: Literal["rms", "none"] = "rms"  # MSE of per-token RMS-normalized hidden states ("none": raw)
     layer_map: list[list[int]] | None = None  # [[student_layer, teacher_layer], ...]; default: proportional depth
     learn_qparams: bool = False  # QAT: learn INT4 scales and zero points too (else frozen)
     freeze_embeddings: bool = False
@@ -79,6 +81,8 @@ class DistillOptions:
             raise ValueError("alpha, beta and gamma are all 0: nothing to train on; set at least one")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.hidden_norm not in HIDDEN_NORMS:
+            raise ValueError(f"hidden_norm must be one of {', '.join(HIDDEN_NORMS)}, got {self.hidden_norm!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.layer_map is not None and not all(len(p) == 2 for p in self.layer_map):
@@ -86,7 +90,7 @@ class DistillOptions:
 
     @property
     def loss_weights(self) -> LossWeights:
-        return LossWeights(self.alpha, self.beta, self.gamma, self.temperature)
+        return LossWeights(self.alpha, self.beta, self.gamma, self.temperature, self.hidden_norm)
 
     def to_dict(self) -> dict:
         return asdict(self)

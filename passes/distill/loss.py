@@ -1,5 +1,10 @@
 """The distillation loss: ``alpha·T²·KL(p_t‖p_s at T) + beta·MSE(h_t, h_s) + gamma·CE(labels)``.
 
+With ``hidden_norm = "rms"`` (the default) both hidden states are divided by their own per-token
+RMS before the MSE. Llama-family residual streams carry a few "massive activation" tokens whose norm is hundreds
+of times the rest; on raw states those tokens dominate the MSE (on SmolLM2 0.1·MSE is 40–80× the
+KL), while the next layer only sees each token through RMSNorm, i.e. its direction.
+
 Every term is a mean per token (KL, CE) or per element (MSE, then averaged over the mapped layer
 pairs), so the value does not depend on the batch size: that is what makes a data-parallel run over
 equal shards equal a single process over the whole batch.
@@ -19,6 +24,7 @@ class LossWeights:
     beta: float = 0.1  # MSE of hidden states at mapped layers
     gamma: float = 0.0  # cross-entropy on the next token
     temperature: float = 1.0
+    hidden_norm: str = "rms"  # compare hidden states after a per-token RMS normalization ("none": raw)
 
 
 def kl_per_token(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -26,6 +32,11 @@ def kl_per_token(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tem
     log_pt = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
     log_ps = F.log_softmax(student_logits.float() / temperature, dim=-1)
     return (log_pt.exp() * (log_pt - log_ps)).sum(-1)
+
+
+def rms_normalized(h: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``h`` divided by its root-mean-square over the last dimension (RMSNorm without a weight)."""
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def next_token_ce(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -68,7 +79,10 @@ def distill_loss(weights: LossWeights, input_ids: torch.Tensor, teacher_logits: 
             h = student_hidden[s].float()
             if projections is not None:
                 h = projections(i, h)
-            terms.append(F.mse_loss(h, teacher_hidden[t].float()))
+            target = teacher_hidden[t].float()
+            if weights.hidden_norm == "rms":
+                h, target = rms_normalized(h), rms_normalized(target)
+            terms.append(F.mse_loss(h, target))
         mse = torch.stack(terms).mean()
     ce = next_token_ce(student_logits, input_ids) if weights.gamma else zero
     loss = weights.alpha * weights.temperature ** 2 * kl + weights.beta * mse + weights.gamma * ce

@@ -209,7 +209,7 @@ class Distiller:
     def _check_resumable(self, meta: dict, path: Path) -> None:
         # Settings that change what the remaining steps compute must match; eval/log settings may differ.
         same = ("corpus", "seq_len", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "steps", "alpha",
-                "beta", "gamma", "temperature", "seed", "learn_qparams", "precision")
+                "beta", "gamma", "temperature", "hidden_norm", "seed", "learn_qparams", "precision")
         old, new = meta["options"], self.options.to_dict()
         changed = [k for k in same if old.get(k) != new.get(k)]
         if changed:
