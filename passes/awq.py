@@ -38,8 +38,7 @@ from compiler.pipeline import Pass, PassContext, PassReport, register_pass
 from compiler.progress import track
 from compiler.targets import get_target
 from passes.awq_plan import NO_CLIP, SCALING_GROUPS, AWQOptions, LayerPlan, ScalingGroup, plan_layers, smaller_groups
-from passes.awq_search import (InputStats, quant_error, rank_scales, relative_error, residual_token_weights, search_clip,
-                               weight_mean)
+from passes.awq_search import InputStats, quant_error, rank_scales, relative_error, search_clip, weight_mean
 
 
 @register_pass
@@ -105,16 +104,10 @@ class AWQPass(Pass):
                 rows["now"] = torch.randperm(n_tokens, generator=gen)[: min(keep, n_tokens)]
                 n = chunk.shape[0]
                 out[start : start + n] = block(chunk, cos[:n], sin[:n], positions[:n])
-                weights = self._token_weights(out[start : start + n])
-                for st in stats.values():
-                    st.commit(None if weights is None else weights.reshape(-1)[rows["now"]])
         finally:
             for h in hooks:
                 h.remove()
         return out, stats
-
-    def _token_weights(self, block_output: torch.Tensor) -> torch.Tensor | None:
-        return residual_token_weights(block_output) if self.options.token_weighting == "residual" else None
 
 
 class BlockQuantizer:
@@ -125,7 +118,6 @@ class BlockQuantizer:
         self.block = model.get_submodule(prefix.rstrip("."))
         self.config = model.config
         self.inspected: dict[str, tuple[tuple, torch.Tensor]] = {}  # set by run(); empty: Gram loss only
-        self.inspect_weights: torch.Tensor | None = None  # per-token weights of the module errors
 
     def run(self, stats: dict[str, InputStats], sample: tuple) -> list[dict]:
         """Search, fold and quantize; return one report row per converted linear. ``sample``:
@@ -176,12 +168,10 @@ class BlockQuantizer:
             hooks.append(self.block.get_submodule(name).register_forward_hook(
                 lambda _m, args, out, name=name: seen.__setitem__(name, (args, out))))
         try:
-            out = self.block(*sample)
+            self.block(*sample)
         finally:
             for h in hooks:
                 h.remove()
-        if self.opts.token_weighting == "residual":
-            self.inspect_weights = residual_token_weights(out)
         return seen
 
     def _module_error(self, group: ScalingGroup, converted: list[str], s_cols: torch.Tensor) -> float:
@@ -196,9 +186,7 @@ class BlockQuantizer:
                 scaled = lin.weight.float() * s_cols
                 g = self.plans[self.prefix + name].group_size
                 lin.weight.data = ((scaled + quant_error(scaled, g, self.opts.zero_point)) / s_cols).to(lin.weight.dtype)
-            err = (module(*args).float() - reference.float()).pow(2).mean(-1)
-            w = self.inspect_weights
-            return float(err.mean() if w is None else (err * w).sum() / w.sum())
+            return float((module(*args).float() - reference.float()).pow(2).mean())
         finally:
             for name, w in saved.items():
                 self.block.get_submodule(name).weight.data = w

@@ -36,7 +36,6 @@ class AWQOptions:
     clip_search = true            # per-group max-value shrink, grid of clip_grid * max_shrink points
     max_layer_error = 0.1         # retry a layer with the next smaller group above this relative error
     search_tokens = 8192          # tokens per block the searches' Gram matrices are built on
-    token_weighting = "none"      # "residual": each token's errors relative to its block output's mean square
     """
 
     group_size: int = 128
@@ -50,7 +49,6 @@ class AWQOptions:
     max_layer_error: float | None = None
     search_tokens: int = 8192
     duo_scaling: Literal["auto", "all", "none"] = "auto"
-    token_weighting: Literal["residual", "none"] = "none"
     module_candidates: int = 4
     module_sequences: int = 4
     batch_size: int = 8

@@ -19,32 +19,22 @@ from compiler.int4 import QMAX, SYMMETRIC_ZERO, pad_columns
 
 
 class InputStats:
-    """Per-channel mean |x| over every token, and the (token-weighted) Gram matrix of a token subsample."""
+    """Per-channel mean |x| over every token, and the Gram matrix of a token subsample."""
 
     def __init__(self, in_features: int):
         self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
         self.tokens = 0
         self.gram = torch.zeros(in_features, in_features)
-        self.gram_weight = 0.0
-        self._pending: torch.Tensor | None = None
+        self.gram_tokens = 0
 
     def add(self, x: torch.Tensor, rows: torch.Tensor) -> None:
-        """x: [..., K] inputs of one chunk; rows: indices of the flattened tokens kept for the Gram,
-        which ``commit`` adds once the token weights are known."""
+        """x: [..., K] inputs of one chunk; rows: indices of the flattened tokens kept for the Gram."""
         flat = x.reshape(-1, x.shape[-1]).float()
         self.abs_sum += flat.abs().sum(0, dtype=torch.float64)
         self.tokens += flat.shape[0]
-        self._pending = flat[rows]
-
-    def commit(self, weights: torch.Tensor | None = None) -> None:
-        """Add the last chunk's sampled rows to the Gram, row t weighted by ``weights[t]`` (default 1)."""
-        sample, self._pending = self._pending, None
-        if sample is None:
-            return
-        if weights is None:
-            weights = torch.ones(sample.shape[0])
-        self.gram.addmm_((sample * weights[:, None]).T, sample)
-        self.gram_weight += float(weights.sum())
+        sample = flat[rows]
+        self.gram.addmm_(sample.T, sample)
+        self.gram_tokens += sample.shape[0]
 
     @property
     def mean_abs(self) -> torch.Tensor:
@@ -52,18 +42,8 @@ class InputStats:
 
     @property
     def hessian(self) -> torch.Tensor:
-        """H = Xᵀ diag(w) X / sum(w): the (weighted) mean output error per token is sum((D @ H) * D)."""
-        return self.gram / max(self.gram_weight, 1e-30)
-
-
-def residual_token_weights(h: torch.Tensor) -> torch.Tensor:
-    """1 / mean(h²) per token of a block's output residual stream [..., D] -> [...].
-
-    The next block reads h through RMSNorm, so an output error counts relative to its token's
-    RMS; without this weighting a few massive-activation tokens (norms 100x the rest in
-    Llama-family models) dominate every loss.
-    """
-    return 1.0 / h.float().pow(2).mean(-1).clamp(min=1e-12)
+        """H = X^T X / T: the mean output error per token is sum((D @ H) * D)."""
+        return self.gram / max(self.gram_tokens, 1)
 
 
 def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:

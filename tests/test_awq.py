@@ -22,7 +22,7 @@ from compiler.pipeline import Pipeline, PipelineConfig
 from compiler.targets import TARGETS, TargetSpec, register_target
 from passes.awq import AWQPass, BlockQuantizer
 from passes.awq_plan import SCALING_GROUPS, AWQOptions, plan_layers
-from passes.awq_search import InputStats, candidate_scales, fast_fake_quantize, residual_token_weights, weight_mean
+from passes.awq_search import candidate_scales, fast_fake_quantize, weight_mean
 
 ROOT = Path(__file__).resolve().parents[1]
 # GQA (4 query heads on 2 kv heads) so v -> o folding goes through the head mapping.
@@ -81,7 +81,7 @@ def test_scale_folding_leaves_float_model_unchanged(tiny_checkpoint_with_tokeniz
     ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         before = model(ids)
-        opts = AWQOptions(group_size=32, token_weighting="residual")
+        opts = AWQOptions(group_size=32)
         plans, _ = plan_layers(model.config, opts)
         # 1) the searched scales (module scoring included: it must restore every weight it tries),
         #    folded by the pass's own code
@@ -234,20 +234,3 @@ def test_duo_scaling_candidates_follow_autoawq():
     raw = x_mean.sqrt() / (w_mean.sqrt() + 1e-4)
     assert torch.allclose(s, raw / (raw.max() * raw.min()).sqrt())
     assert torch.allclose(candidate_scales(x_mean, 0.0), torch.ones(4))  # α = 0 without duo: plain RTN
-
-
-def test_residual_token_weighting_divides_each_token_by_its_block_output_ms():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 6, 4, generator=gen)
-    block_out = torch.randn(1, 6, 8, generator=gen) * torch.tensor([100.0, 1, 1, 2, 1, 1])[None, :, None]  # token 0 is massive
-    rows = torch.tensor([0, 2, 3, 5])
-    st = InputStats(4)
-    st.add(x, rows)
-    w = residual_token_weights(block_out).reshape(-1)[rows]
-    st.commit(w)
-    assert torch.allclose(w, 1 / block_out.reshape(6, 8)[rows].pow(2).mean(-1))
-    assert w[0] < 1e-3 * w[1]  # the massive token barely counts
-    xs = x.reshape(6, 4)[rows]
-    want = sum(wt * torch.outer(xt, xt) for wt, xt in zip(w, xs)) / w.sum()
-    assert torch.allclose(st.hessian, want, rtol=1e-5)
-    assert torch.allclose(st.mean_abs, x.reshape(6, 4).abs().mean(0))  # scales still use every token, unweighted
