@@ -16,8 +16,10 @@ Block by block over the decoder (memory: the calibration activations of one bloc
 3. fold: the input columns of the group's linears are multiplied by s and ``prev``'s output
    (RMSNorm weight or Linear rows) divided by s — the float model is unchanged.
 4. clip search per (row, group): the max-value shrink ratio minimising output error.
-5. quantize (asymmetric INT4 with zero points, or symmetric) into ``Int4Linear``; a layer whose
-   relative output error exceeds ``max_layer_error`` is retried with smaller groups.
+5. quantize (asymmetric INT4 with zero points, or symmetric) into ``Int4Linear``: the scales and
+   zero points of the clipped groups, the codes by GPTQ's error-compensating rounding over the
+   same Gram matrix (``weight_rounding = "gptq"``, the default; "nearest" is plain AWQ). A layer
+   whose relative output error exceeds ``max_layer_error`` is retried with smaller groups.
 
 The Gram loss (``awq_search``) makes a grid point one small matmul, not a forward pass over the
 calibration set; the module forwards run only for the shortlist, on a few sequences. Example::
@@ -39,6 +41,7 @@ from compiler.progress import track
 from compiler.targets import get_target
 from passes.awq_plan import NO_CLIP, SCALING_GROUPS, AWQOptions, LayerPlan, ScalingGroup, plan_layers, smaller_groups
 from passes.awq_search import InputStats, quant_error, rank_scales, relative_error, search_clip, weight_mean
+from passes.gptq import gptq_int4
 
 
 @register_pass
@@ -82,7 +85,8 @@ class AWQPass(Pass):
         scoring = (f"the best {opts.module_candidates} re-scored on self_attn / mlp outputs over {k} sequences"
                    if opts.module_candidates > 1 and k else "scored on the linears' own output error")
         report.notes.append(f"α grid of {opts.alpha_grid} (duo scaling {opts.duo_scaling}), "
-                            f"{scoring}; clip search skips q_proj/k_proj (as llm-awq)")
+                            f"{scoring}; clip search skips q_proj/k_proj (as llm-awq); "
+                            f"{'GPTQ' if opts.weight_rounding == 'gptq' else 'round-to-nearest'} rounding")
         return report
 
     def _capture(self, block, x, cos, sin, positions, gen):
@@ -247,7 +251,10 @@ class BlockQuantizer:
         while True:
             clip = (search_clip(w, h, g, opts.zero_point, opts.clip_grid, opts.max_shrink)
                     if opts.clip_search and name not in NO_CLIP else torch.ones(1))
-            q = Int4Linear.from_float(linear, g, opts.zero_point, clip)
+            if opts.weight_rounding == "gptq":
+                q = gptq_int4(linear, h, g, opts.zero_point, clip, opts.gptq_damp)
+            else:
+                q = Int4Linear.from_float(linear, g, opts.zero_point, clip)
             err = relative_error(w, q.dequantized_weight().float() - w, h)
             if opts.max_layer_error is None or err <= opts.max_layer_error:
                 break

@@ -36,6 +36,8 @@ class AWQOptions:
     clip_search = true            # per-group max-value shrink, grid of clip_grid * max_shrink points
     max_layer_error = 0.1         # retry a layer with the next smaller group above this relative error
     search_tokens = 8192          # tokens per block the searches' Gram matrices are built on
+    weight_rounding = "gptq"      # GPTQ's error-compensating rounding on AWQ's scales and clip ("nearest": RTN)
+    gptq_damp = 0.01              # GPTQ's dampening, a fraction of the Hessian's mean diagonal
     """
 
     group_size: int = 128
@@ -49,6 +51,8 @@ class AWQOptions:
     max_layer_error: float | None = None
     search_tokens: int = 8192
     duo_scaling: Literal["auto", "all", "none"] = "auto"
+    weight_rounding: Literal["gptq", "nearest"] = "gptq"
+    gptq_damp: float = 0.01
     module_candidates: int = 4
     module_sequences: int = 4
     batch_size: int = 8
@@ -64,6 +68,8 @@ class AWQOptions:
             raise ValueError(f"max_layer_error must be > 0, got {self.max_layer_error}")
         if self.search_tokens < 1 or self.batch_size < 1:
             raise ValueError("search_tokens and batch_size must be >= 1")
+        if not 0 < self.gptq_damp < 1:
+            raise ValueError(f"gptq_damp must be in (0, 1), got {self.gptq_damp}")
         if self.module_candidates < 0 or self.module_sequences < 0:
             raise ValueError("module_candidates and module_sequences must be >= 0 (0 or 1: score on the linears' own error)")
 

@@ -4,14 +4,18 @@ Rounding column j of a weight W [N, K] to the target grid leaves an error; GPTQ 
 the columns not yet rounded, weighted by the inverse Hessian of the layer's output error
 H = XᵀX / T (X: calibration inputs), so that ``||X (Q - W)ᵀ||²`` ends up far below
 round-to-nearest's. The quantizer's parameters (row or group scales, zero points) are fixed
-beforehand from the weight, as with GPTQ's static groups, so the loop serves any such format
-(the ``fp8`` pass uses it; INT4 with per-group scales would pass the column indices on).
+beforehand from the weight, as with GPTQ's static groups, so the loop serves any such format:
+the ``fp8`` pass uses ``gptq_round`` directly, the ``awq`` pass ``gptq_int4`` (per-group INT4
+scales and zero points from AWQ's clipped range).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
+
+from compiler.int4 import QMAX, Int4Linear, choose_qparams, pad_columns, quantize
 
 
 RoundColumns = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -59,3 +63,23 @@ def _round_blocks(w, hinv, q, round_columns, block_size):
             block[:, i:] -= err @ hb[i : i + 1, i:]
             errors[:, i : i + 1] = err
         w[:, end:] -= errors @ hinv[start:end, end:]  # the columns still to round
+
+
+def gptq_int4(linear: torch.nn.Linear, hessian: torch.Tensor, group_size: int, zero_point: bool,
+              clip_ratio: torch.Tensor | float = 1.0, damp: float = 0.01) -> Int4Linear:
+    """``Int4Linear.from_float`` with GPTQ's rounding: same scales and zero points (from the clipped
+    range of each group), codes chosen column by column with error compensation over ``hessian`` [K, K]."""
+    w = pad_columns(linear.weight.detach().float(), group_size)
+    pad = w.shape[1] - hessian.shape[0]
+    h = F.pad(hessian, (0, pad, 0, pad))  # padded columns never see an input: GPTQ treats them as dead
+    scale, zero = choose_qparams(w, group_size, zero_point, clip_ratio)
+    scale = scale.to(linear.weight.dtype)  # round onto the grid of the stored scales
+    scale_f, zero_f = scale.float(), zero.float()
+
+    def round_columns(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        s, z = scale_f[:, columns // group_size], zero_f[:, columns // group_size]
+        return ((values / s).round() + z).clamp(0, QMAX).sub(z).mul(s)
+
+    rounded = gptq_round(w, h, round_columns, damp=damp)
+    codes = quantize(rounded, scale, zero, group_size)  # already on the grid: this only reads the codes off
+    return Int4Linear.from_codes(codes, scale, zero, linear.in_features, group_size, zero_point, linear.bias)

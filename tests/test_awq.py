@@ -155,11 +155,16 @@ def test_bad_options_are_config_errors():
         Pipeline(pipeline_config(group_size=100))
     with pytest.raises(ConfigError, match="group_size_policy"):
         Pipeline(pipeline_config(group_size_policy="shrink"))
+    with pytest.raises(ConfigError, match="weight_rounding"):
+        Pipeline(pipeline_config(weight_rounding="stochastic"))
+    with pytest.raises(ConfigError, match="gptq_damp"):
+        Pipeline(pipeline_config(gptq_damp=0.0))
 
 
-def test_awq_artifact_reloads_with_same_logits(tiny_checkpoint_with_tokenizer, tmp_path):
+@pytest.mark.parametrize("rounding", ["nearest", "gptq"])
+def test_awq_artifact_reloads_with_same_logits(tiny_checkpoint_with_tokenizer, tmp_path, rounding):
     path, _ = tiny_checkpoint_with_tokenizer("llama", **TINY)
-    result = compile_model(path, pipeline_config(group_size=128), tmp_path / "awq")
+    result = compile_model(path, pipeline_config(group_size=128, weight_rounding=rounding), tmp_path / "awq")
     report = result.reports[0]
     layers = {r["layer"]: r for r in report.layers}
     assert layers["lm_head"]["format"] == "float"

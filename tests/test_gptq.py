@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from compiler.fp8 import dequantize, quantize, weight_scale
-from passes.gptq import gptq_round
+from compiler.int4 import Int4Linear
+from passes.gptq import gptq_int4, gptq_round
 
 
 def correlated_inputs(t=2048, k=256, rank=32, seed=0):
@@ -44,3 +45,22 @@ def test_gptq_handles_channels_never_active():
     w = torch.randn(8, 64, generator=torch.Generator().manual_seed(5))
     q = gptq_round(w, x.T @ x, fp8_rounder(w))
     assert torch.isfinite(q).all() and q[:, 5].eq(0).all()  # a dead input's weight does not matter
+
+
+@pytest.mark.parametrize("k, g, zero_point", [(256, 64, True), (200, 64, True), (256, 32, False)])
+def test_gptq_int4_keeps_the_rtn_grid_and_lowers_output_error(k, g, zero_point):
+    """Same scales and zero points as Int4Linear.from_float (AWQ's clip included), better codes;
+    K not a multiple of g (200) is padded like every Int4Linear."""
+    x = correlated_inputs(k=k, seed=6)
+    linear = torch.nn.Linear(k, 48, bias=True).requires_grad_(False)
+    linear.weight.copy_(torch.randn(48, k, generator=torch.Generator().manual_seed(7)) * 0.02)
+    clip = torch.full((48, -(-k // g)), 0.9)
+    rtn = Int4Linear.from_float(linear, g, zero_point, clip)
+    q = gptq_int4(linear, x.T @ x / len(x), g, zero_point, clip)
+    assert torch.equal(q.scales, rtn.scales) and torch.equal(q.codes()[1], rtn.codes()[1])
+    assert torch.equal(q.bias, rtn.bias)
+    rel = lambda m: float((x @ (m.dequantized_weight() - linear.weight).T).norm() / (x @ linear.weight.T).norm())  # noqa: E731
+    print(f"k={k} g={g} zero_point={zero_point}: relative output error nearest {rel(rtn):.4f}, gptq {rel(q):.4f}")
+    assert rel(q) < 0.6 * rel(rtn)
+    y = torch.randn(3, k)
+    torch.testing.assert_close(q(y), y @ q.dequantized_weight().T + q.bias)  # packed codes reproduce the rounded weight
