@@ -74,7 +74,8 @@ def distill_cmd(
     options = parse_options(DistillOptions, dict(
         teacher=teacher, student=student, corpus=corpus, steps=steps, seq_len=seq_len, batch_size=batch_size,
         grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps, alpha=alpha, beta=beta, gamma=gamma,
-        temperature=temperature, hidden_norm=hidden_norm, learn_qparams=learn_qparams, freeze_embeddings=freeze_embeddings, precision=precision,
+        temperature=temperature, hidden_norm=hidden_norm, learn_qparams=learn_qparams,
+        freeze_embeddings=freeze_embeddings, precision=precision,
         gradient_checkpointing=gradient_checkpointing, fsdp=fsdp, checkpoint_every=checkpoint_every,
         keep_checkpoints=keep_checkpoints, eval_windows=eval_windows, eval_len=eval_len, heldout=list(heldout),
         seed=seed, output_dir=str(output), tensorboard=tensorboard), "distill")

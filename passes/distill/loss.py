@@ -1,9 +1,10 @@
 """The distillation loss: ``alpha·T²·KL(p_t‖p_s at T) + beta·MSE(h_t, h_s) + gamma·CE(labels)``.
 
 With ``hidden_norm = "rms"`` (the default) both hidden states are divided by their own per-token
-RMS before the MSE. Llama-family residual streams carry a few "massive activation" tokens whose norm is hundreds
-of times the rest; on raw states those tokens dominate the MSE (on SmolLM2 0.1·MSE is 40–80× the
-KL), while the next layer only sees each token through RMSNorm, i.e. its direction.
+RMS before the MSE. Llama-family residual streams carry a few "massive activation" tokens whose
+norm is hundreds of times the rest; on raw states those tokens dominate the MSE (on SmolLM2
+0.1·MSE is 40–80× the KL), while the next layer only sees each token through RMSNorm, i.e. its
+direction.
 
 Every term is a mean per token (KL, CE) or per element (MSE, then averaged over the mapped layer
 pairs), so the value does not depend on the batch size: that is what makes a data-parallel run over
