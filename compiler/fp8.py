@@ -99,6 +99,16 @@ class Fp8Linear(QuantizedLinear):
             self.register_buffer("input_scale", torch.empty(1, dtype=torch.float32))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype) if bias else None)
 
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype) casts every floating buffer, FP8 codes and float32 scales included; the
+        # cast to a wider float is exact, so restoring the storage dtypes afterwards loses nothing.
+        super()._apply(fn, recurse)
+        self.weight = self.weight.to(fp8_dtype(self.weight_dtype))
+        self.weight_scale = self.weight_scale.float()
+        if self.activation_scheme == "static":
+            self.input_scale = self.input_scale.float()
+        return self
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, weight_dtype: str = "float8_e4m3fn", granularity: str = "per_channel",
                     activation_dtype: str = "float8_e4m3fn", activation_scheme: str = "dynamic",
@@ -144,6 +154,10 @@ class Fp8Linear(QuantizedLinear):
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, K] -> FP8 codes [M, K] and scales [M] (dynamic) or [1] (static)."""
         dtype = fp8_dtype(self.activation_dtype)
+        if x.is_cuda:  # one fused kernel instead of five torch ones
+            from compiler.fp8_triton import triton_quantize_rows
+
+            return triton_quantize_rows(x, dtype, None if self.activation_scheme == "dynamic" else self.input_scale)
         if self.activation_scheme == "dynamic":
             return quantize_per_token(x, dtype)
         return quantize(x, self.input_scale, dtype), self.input_scale

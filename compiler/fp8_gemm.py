@@ -38,7 +38,9 @@ def scaled_mm_gemm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.float32) -
     else:
         # _scaled_mm takes either two scalars or [M, 1] and [1, N]; mixed granularity is expanded.
         sa, sb = _rowwise(a_scale, a.shape[0])[:, None], _rowwise(b_scale, b.shape[0])[None, :]
-    y = torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    # CUDA's row-wise scaling writes bf16 only (accumulating in float32); the CPU writes float32.
+    mm_dtype = torch.bfloat16 if a.is_cuda and sa.dim() else torch.float32
+    y = torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=mm_dtype)
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)

@@ -1,10 +1,19 @@
-"""The OpenAI Triton W8A8 FP8 GEMM (H100 / sm_90 and later; on the CPU under TRITON_INTERPRET=1).
+"""OpenAI Triton kernels of the W8A8 FP8 path (H100 / sm_90 and later; CPU under TRITON_INTERPRET=1).
+
+The GEMM:
 
 Each program computes one [BLOCK_M, BLOCK_N] tile of ``y = a @ b.T``: it walks K in BLOCK_K
 steps feeding FP8 tiles straight to ``tl.dot`` (the tensor cores' FP8 path on Hopper) with a
 float32 accumulator, then applies the row scales of ``a`` and the column scales of ``b`` once
 at the end (scales factor out of the K sum), adds the bias and stores in the output dtype.
 A per-tensor scale is passed with stride 0, so one kernel serves every granularity.
+Hopper's FP8 tensor cores accumulate with fewer than float32's bits; ``precise_acc`` promotes the
+partial sums into the float32 accumulator every BLOCK_K products (as DeepSeek-V3 does every 128),
+which bounds the error growth in K at a 35–45% cost in speed (docs/BENCHMARKS.md).
+
+The activation cast (``triton_quantize_rows``): one program per row finds the row's absolute
+maximum (dynamic) or reads the static scale, then writes the saturated FP8 codes, in one kernel
+instead of torch's five (abs, amax, divide, clamp, cast).
 """
 from __future__ import annotations
 
@@ -12,11 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
+from compiler.fp8 import MIN_SCALE, fp8_max
+
 
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
                      M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_ym, stride_yn,
-                     stride_as, stride_bs, HAS_BIAS: tl.constexpr,
+                     stride_as, stride_bs, HAS_BIAS: tl.constexpr, PRECISE_ACC: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -29,7 +40,10 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)  # [BM, BK] fp8
         b = tl.load(b_ptr + rn[None, :] * stride_bn + kk[:, None] * stride_bk,
                     mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BK, BN] fp8
-        acc = tl.dot(a, b, acc)
+        if PRECISE_ACC:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(a, b, acc)
     sa = tl.load(a_scale_ptr + rm * stride_as, mask=rm < M, other=0.0)
     sb = tl.load(b_scale_ptr + rn * stride_bs, mask=rn < N, other=0.0)
     acc = acc * sa[:, None] * sb[None, :]
@@ -39,19 +53,71 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def default_config(m: int, n: int, k: int) -> dict:
+    """Tile sizes for an [M, K] x [K, N] product, picked from the H200 sweep of
+    benchmarks/gpu_kernels.py (docs/BENCHMARKS.md, "GPU kernels on an H200")."""
+    if m <= 64:  # decode: bound by reading the weight; long K tiles, many programs
+        return {"block_m": 64, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 3, "precise_acc": False}
+    if triton.cdiv(m, 128) * triton.cdiv(n, 128) < 64:  # too few big tiles to fill the GPU
+        return {"block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 4, "precise_acc": False}
+    stages = 4 if m < 1024 else 3
+    return {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": stages, "precise_acc": False}
+
+
 def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                    block_m: int = 64, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
-    """y [M, N] = dequant(a [M, K]) @ dequant(b [N, K]).T + bias; scales [M]/[N] or [1] (see fp8_gemm)."""
+                    config: dict | None = None) -> torch.Tensor:
+    """y [M, N] = dequant(a [M, K]) @ dequant(b [N, K]).T + bias; scales [M]/[N] or [1] (see fp8_gemm).
+    ``config`` overrides ``default_config`` (block_m/n/k, num_warps, num_stages, precise_acc)."""
     M, K = a.shape
     N = b.shape[0]
+    cfg = config or default_config(M, N, K)
     a_scale, b_scale = a_scale.float().contiguous(), b_scale.float().contiguous()
     y = torch.empty(M, N, dtype=out_dtype, device=a.device)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    grid = (triton.cdiv(M, cfg["block_m"]), triton.cdiv(N, cfg["block_n"]))
     _fp8_gemm_kernel[grid](
         a, b, y, a_scale, b_scale, bias if bias is not None else y,
         M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0), y.stride(1),
         0 if a_scale.numel() == 1 else 1, 0 if b_scale.numel() == 1 else 1, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISE_ACC=cfg.get("precise_acc", False), BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, FP8_MAX: tl.constexpr,
+                          MIN_SCALE: tl.constexpr, DYNAMIC: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    if DYNAMIC:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        # div_rn: IEEE division, as torch on the CPU (Triton's default fp32 division is approximate)
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+    else:
+        scale = tl.load(scale_ptr)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * stride_qm + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
+
+
+def triton_quantize_rows(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None,
+                         out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> FP8 codes [M, K] and scales: per row [M] when ``scale`` is None (dynamic),
+    else the given static scale [1]. Same contract as ``compiler.fp8.quantize_per_token`` / ``quantize``.
+    A float32 ``out`` receives the saturated values before their rounding to ``dtype`` (for tests:
+    Triton's interpreter does not round float32 to FP8 exactly as GPUs do)."""
+    x = x.contiguous()
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=dtype, device=x.device) if out is None else out
+    dynamic = scale is None
+    scale = torch.empty(M, dtype=torch.float32, device=x.device) if dynamic else scale.float().contiguous()
+    block = min(triton.next_power_of_2(K), 4096)
+    _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), FP8_MAX=fp8_max(dtype),
+                                MIN_SCALE=MIN_SCALE, DYNAMIC=dynamic, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    return q, scale

@@ -31,6 +31,10 @@ from compiler.qlinear import QuantizedLinear, register_format
 
 QMAX = 15
 SYMMETRIC_ZERO = 8
+# From this many tokens on, a CUDA forward dequantizes W (a Triton kernel) and calls cuBLAS instead
+# of the fused W4A16 kernel, which is faster up to 128 tokens and slower at 2048 (docs/BENCHMARKS.md,
+# "GPU kernels on an H200"; the crossover between the two was not measured).
+DEQUANT_MIN_TOKENS = 256
 GROUP_SIZES = (32, 64, 128, 256)
 
 
@@ -176,9 +180,12 @@ class Int4Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if x.is_cuda and triton_available():
-            from compiler.kernels.w4a16 import w4a16_matmul
+            from compiler.kernels.w4a16 import w4_dequantize, w4a16_matmul
 
-            return w4a16_matmul(x, self.qweight, self.scales, self.qzeros, self.in_features, self.group_size, bias)
+            if x.numel() // self.in_features < DEQUANT_MIN_TOKENS:
+                return w4a16_matmul(x, self.qweight, self.scales, self.qzeros, self.in_features, self.group_size, bias)
+            w = w4_dequantize(self.qweight, self.scales, self.qzeros, self.in_features, self.group_size, x.dtype)
+            return F.linear(x, w, bias)
         # Reference path: unpack -> dequantize -> matmul.
         return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
 

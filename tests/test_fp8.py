@@ -126,3 +126,48 @@ def test_fp8_linear_keeps_bfloat16_models_in_bfloat16(scheme):
     y = q(x)
     assert y.dtype == torch.bfloat16 and q.bias.dtype == torch.bfloat16
     assert rel_error(y, lin(x)) < 0.08
+
+
+def test_module_to_dtype_keeps_fp8_codes_and_float32_scales():
+    torch.manual_seed(3)
+    lin = nn.Linear(32, 16)
+    q = Fp8Linear.from_linear(lin, activation_scheme="static", input_scale=0.01)
+    codes = q.weight.clone()
+    q.to(torch.bfloat16)
+    assert q.weight.dtype == torch.float8_e4m3fn and torch.equal(q.weight.view(torch.uint8), codes.view(torch.uint8))
+    assert q.weight_scale.dtype == torch.float32 and q.input_scale.dtype == torch.float32
+    assert q.bias.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("precise_acc", [False, True])
+def test_triton_gemm_tile_configs_match_reference(precise_acc):
+    from compiler.fp8_triton import triton_fp8_gemm
+
+    _, _, xq, xs, wq, ws, bias = _operands(37, 80, 160, torch.float8_e4m3fn, torch.float8_e4m3fn, "per_channel", 5)
+    ref = dequant_gemm(xq, xs, wq, ws, bias)
+    for block_m, block_n, block_k in [(16, 32, 32), (32, 64, 128)]:
+        cfg = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": 2,
+               "precise_acc": precise_acc}
+        assert rel_error(triton_fp8_gemm(xq, xs, wq, ws, bias, config=cfg), ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, k", [(3, 50), (9, 5000)])  # 5000 > the kernel's 4096-wide chunk
+def test_triton_activation_cast_matches_torch(dtype, rows, k):
+    """Scales bitwise, and the saturated values before rounding, rounded by torch, give torch's codes
+    bitwise. (Triton's interpreter rounds float32 to FP8 in numpy, not exactly to nearest-even;
+    benchmarks/gpu_kernels.py compares the codes a GPU writes with torch's bitwise.)"""
+    from compiler.fp8_triton import triton_quantize_rows
+
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) * 3
+    x[0] = 0  # an all-zero row gets the minimum scale, not NaN
+    x[1, :7] = 1e6
+    static = torch.tensor([1e-3])  # far too small: everything beyond ±max saturates
+    for scale, (q_ref, s_ref) in ((None, quantize_per_token(x, dtype)), (static, (quantize(x, static, dtype), static))):
+        pre_rounding = torch.empty(rows, k)
+        _, s = triton_quantize_rows(x, dtype, scale, out=pre_rounding)
+        assert torch.equal(s, s_ref)
+        assert torch.isfinite(pre_rounding).all() and pre_rounding.abs().max() <= torch.finfo(dtype).max
+        assert torch.equal(pre_rounding.to(dtype).view(torch.uint8), q_ref.view(torch.uint8))
+        q, _ = triton_quantize_rows(x, dtype, scale)
+        assert q.dtype == dtype and torch.isfinite(q.float()).all()

@@ -1,0 +1,294 @@
+"""The OpenAI Triton kernels on a CUDA GPU: correctness against torch references, then speed.
+
+One run, in four parts, all on fresh random inputs:
+
+1. FP8 W8A8 GEMM (``compiler.fp8_triton``) and ``torch._scaled_mm`` against the dequantize
+   reference, per-token/per-channel and per-tensor scales, with bias, activations reaching far
+   beyond E4M3's range (cast with a saturating static scale as well as per-token scales); the
+   fused activation cast against torch's on the CPU, bitwise.
+2. W4A16 INT4 GEMM (``compiler.kernels.w4a16``) against dequantize-then-matmul in float32,
+   including K not divisible by the group (SmolLM2's 576 at g128); the dequantize kernel bitwise.
+3. A SmolLM2-135M-shaped model (random weights) with every decoder Linear converted to FP8 or INT4:
+   logits on the GPU (Triton kernels) against the same model on the CPU (torch reference paths),
+   next to the CPU model's own spread when each FP8 GEMM output is perturbed by 1e-3 (FP8
+   activation rounding turns tiny differences into whole-step flips, layer after layer).
+4. Speed: each kernel over a sweep of tile configurations, against a bf16 ``x @ w.T`` (cuBLAS)
+   in the same run, median ms of CUDA-graph replays (``triton.testing.do_bench_cudagraph``: the
+   host's launch overhead is left out, as under a serving engine's graphs), plus eager timings of
+   the layers as a model calls them; on Llama-8B and SmolLM2 shapes.
+
+    python benchmarks/gpu_kernels.py --json gpu_kernels.json
+    TRITON_INTERPRET=1 python benchmarks/gpu_kernels.py --smoke   # CPU dry run of parts 1-3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from compiler.config import ModelConfig
+from compiler.fp8 import Fp8Linear, quantize, quantize_per_token
+import compiler.fp8_gemm
+from compiler.fp8_gemm import dequant_gemm, scaled_mm_gemm
+from compiler.fp8_triton import default_config, triton_fp8_gemm, triton_quantize_rows
+from compiler.int4 import Int4Linear
+from compiler.kernels.w4a16 import w4_dequantize, w4a16_matmul
+from compiler.model import Transformer
+
+E4M3 = torch.float8_e4m3fn
+FP8_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "precise_acc")
+FP8_CONFIGS = [
+    (64, 64, 128, 4, 4, False), (64, 32, 128, 4, 4, False), (64, 64, 256, 4, 3, False), (64, 128, 128, 4, 4, False),
+    (128, 128, 128, 8, 4, False), (128, 128, 128, 8, 3, False), (128, 256, 128, 8, 3, False),
+    (128, 128, 128, 8, 3, True),
+]
+W4_KEYS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")
+W4_CONFIGS = [
+    (16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 128, 2, 4, 4), (16, 64, 128, 4, 4, 4),
+    (16, 32, 128, 4, 4, 4), (16, 128, 128, 2, 4, 4), (16, 64, 64, 4, 4, 4), (16, 32, 64, 2, 4, 4),
+    (32, 64, 128, 2, 4, 3), (64, 64, 128, 1, 4, 3), (64, 128, 128, 1, 4, 3),
+]
+LLAMA8B = [("q/o 4096→4096", 4096, 4096), ("gate/up 4096→14336", 4096, 14336), ("down 14336→4096", 14336, 4096)]
+SMOLLM2 = [("gate/up 576→1536", 576, 1536), ("down 1536→576", 1536, 576)]
+
+
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error; NaN or Inf anywhere gives inf, so it never passes a bound."""
+    a, b = a.double().cpu(), b.double().cpu()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float((a - b).norm() / b.norm())
+
+
+def wild_activations(m: int, k: int, device) -> torch.Tensor:
+    """Gaussian activations with a few channels and tokens 1e3-1e5× larger (LLM-like outliers)."""
+    x = torch.randn(m, k, device=device)
+    x[:, torch.randperm(k, device=device)[:4]] *= 1e3
+    x[torch.randperm(m, device=device)[: max(1, m // 8)]] *= 1e2
+    return x
+
+
+def check_fp8(device, smoke: bool) -> list[dict]:
+    rows = []
+    shapes = [(5, 64, 48), (33, 96, 80)] if smoke else [(1, 576, 192), (17, 576, 1536), (300, 1536, 576),
+                                                      (1024, 4096, 4096), (77, 14336, 4096)]
+    for m, k, n in shapes:
+        for per_tensor in (False, True):
+            for bias in (False, True):
+                torch.manual_seed(m * 7 + k + n + per_tensor * 3 + bias)
+                x = wild_activations(m, k, device)
+                w = torch.randn(n, k, device=device) * 0.05
+                b = torch.randn(n, device=device) if bias else None
+                if per_tensor:  # a static scale that is too small: the cast must saturate, not overflow
+                    xs = torch.tensor([float(x.abs().max()) / 448 / 50], device=device)
+                    xq = quantize(x, xs, E4M3)
+                    ws = (w.abs().max() / 448).reshape(1)
+                else:
+                    xq, xs = quantize_per_token(x, E4M3)
+                    ws = w.abs().amax(1) / 448
+                wq = quantize(w, ws[:, None] if ws.numel() > 1 else ws, E4M3)
+                ref = dequant_gemm(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), None if b is None else b.cpu())
+                row = {"shape": [m, k, n], "per_tensor": per_tensor, "bias": bias,
+                       "triton": rel(triton_fp8_gemm(xq, xs, wq, ws, b), ref),
+                       # share of activations the cast clipped to ±448 (only the too-small static scale clips)
+                       "saturated_fraction": float((x.abs() / xs.reshape(-1, 1) > 448 * 1.001).float().mean())}
+                if device.type == "cuda":
+                    row["scaled_mm"] = attempt(lambda: rel(scaled_mm_gemm(xq, xs, wq, ws, b), ref))
+                    # the fused cast against torch's on the CPU, bitwise (torch on CUDA divides a tensor
+                    # by a scalar through its reciprocal, so its scales may differ in the last bit)
+                    tq, ts = triton_quantize_rows(x, E4M3, xs if per_tensor else None)
+                    cq, cs = (quantize(x.cpu(), xs.cpu(), E4M3), xs.cpu()) if per_tensor else quantize_per_token(x.cpu(), E4M3)
+                    row["cast_codes_equal_cpu"] = bool(torch.equal(tq.cpu().view(torch.uint8), cq.view(torch.uint8)))
+                    row["cast_scales_equal_cpu"] = bool(torch.equal(ts.cpu(), cs))
+                    for prec in (False, True):
+                        cfg = {**default_config(m, n, k), "precise_acc": prec}
+                        row[f"triton_precise_acc_{prec}"] = rel(triton_fp8_gemm(xq, xs, wq, ws, b, config=cfg), ref)
+                rows.append(row)
+    return rows
+
+
+def check_w4a16(device, smoke: bool) -> list[dict]:
+    rows = []
+    cases = [(3, 96, 64, 64), (17, 200, 48, 128)] if smoke else [
+        (1, 576, 192, 128), (16, 576, 1536, 64), (200, 1536, 576, 128), (1024, 4096, 4096, 128), (5, 14336, 4096, 128)]
+    dtypes = [torch.float32] if device.type == "cpu" else [torch.float16, torch.bfloat16]
+    for m, k, n, g in cases:
+        for dtype in dtypes:
+            torch.manual_seed(m + k + n + g)
+            q = Int4Linear.from_float(nn.Linear(k, n, bias=True), g).to(device)
+            q.scales, q.bias = q.scales.to(dtype), q.bias.to(dtype)
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            ref = x.float().cpu() @ q.dequantized_weight().float().cpu().t() + q.bias.float().cpu()
+            out = w4a16_matmul(x, q.qweight, q.scales, q.qzeros, k, g, q.bias)
+            row = {"shape": [m, k, n], "group": g, "dtype": str(dtype), "rel": rel(out, ref),
+                   "int4linear_rel": rel(q(x), ref)}  # the default dispatch (fused kernel or dequantize + cuBLAS)
+            if device.type == "cuda":
+                w = w4_dequantize(q.qweight, q.scales, q.qzeros, k, g, dtype)
+                row["dequant_kernel_bitwise"] = bool(torch.equal(w.cpu(), q.cpu().dequantized_weight()))
+                q.to(device)
+            rows.append(row)
+    return rows
+
+
+def attempt(fn):
+    """fn()'s value, or the error's name (one unsupported path must not hide the others' results)."""
+    try:
+        return fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def bench_ms(fn, graph: bool = True) -> float:
+    """Median ms. With ``graph`` the calls are replayed from a CUDA graph, so kernel time is measured
+    without the host's launch overhead (what a serving engine's graphs see); else eager calls."""
+    import triton.testing
+
+    if graph:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def speed_fp8(device) -> list[dict]:
+    rows = []
+    for tokens in (16, 512, 4096):
+        for name, k, n in LLAMA8B + (SMOLLM2 if tokens == 512 else []):
+            torch.manual_seed(0)
+            x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
+            lin = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+            q = Fp8Linear.from_linear(lin)
+            xq, xs = quantize_per_token(x, E4M3)
+            flop = 2 * tokens * k * n
+            base = bench_ms(lambda: lin(x))
+            row = {"tokens": tokens, "shape": name, "bf16_ms": base, "bf16_tflops": flop / base / 1e9,
+                   "scaled_mm_ms": attempt(lambda: bench_ms(
+                       lambda: scaled_mm_gemm(xq, xs, q.weight, q.weight_scale, None, torch.bfloat16))),
+                   "triton_default_ms": attempt(lambda: bench_ms(
+                       lambda: triton_fp8_gemm(xq, xs, q.weight, q.weight_scale, None, torch.bfloat16))),
+                   "fp8linear_ms": attempt(lambda: bench_ms(lambda: q(x))),  # cast + GEMM, as a model calls it
+                   "cast_torch_ms": bench_ms(lambda: quantize_per_token(x, E4M3)),
+                   "cast_triton_ms": attempt(lambda: bench_ms(lambda: triton_quantize_rows(x, E4M3))),
+                   "eager_bf16_ms": bench_ms(lambda: lin(x), graph=False),
+                   "eager_fp8linear_ms": attempt(lambda: bench_ms(lambda: q(x), graph=False)), "triton": {}}
+            for cfg in FP8_CONFIGS:  # a config may not fit shared memory
+                row["triton"][str(cfg)] = attempt(lambda: bench_ms(
+                    lambda: triton_fp8_gemm(xq, xs, q.weight, q.weight_scale, None, torch.bfloat16, dict(zip(FP8_KEYS, cfg)))))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def speed_w4a16(device) -> list[dict]:
+    rows = []
+    for tokens in (1, 16, 64, 128, 2048):
+        for name, k, n in LLAMA8B + (SMOLLM2 if tokens == 16 else []):
+            torch.manual_seed(0)
+            g = 128 if k % 128 == 0 else 64
+            lin = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+            q = Int4Linear.from_float(lin.float(), g).to(device)
+            q.scales = q.scales.to(torch.bfloat16)
+            lin = lin.to(torch.bfloat16)
+            x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
+            base = bench_ms(lambda: lin(x))
+            row = {"tokens": tokens, "shape": name, "group": g, "bf16_ms": base,
+                   "default_kernel_ms": attempt(lambda: bench_ms(
+                       lambda: w4a16_matmul(x, q.qweight, q.scales, q.qzeros, k, g))),
+                   "dequant_kernel_cublas_ms": attempt(lambda: bench_ms(lambda: F.linear(
+                       x, w4_dequantize(q.qweight, q.scales, q.qzeros, k, g, x.dtype)))),
+                   "int4linear_ms": attempt(lambda: bench_ms(lambda: q(x))),  # the default dispatch
+                   "eager_bf16_ms": bench_ms(lambda: lin(x), graph=False),
+                   "eager_int4linear_ms": attempt(lambda: bench_ms(lambda: q(x), graph=False)), "triton": {}}
+            for cfg in W4_CONFIGS:
+                row["triton"][str(cfg)] = attempt(lambda: bench_ms(
+                    lambda: w4a16_matmul(x, q.qweight, q.scales, q.qzeros, k, g, None, dict(zip(W4_KEYS, cfg)))))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def smollm2_shaped(smoke: bool) -> Transformer:
+    sizes = dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96) if smoke else \
+        dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(architecture="LlamaForCausalLM", tie_embeddings=True, rope_theta=100000.0, **sizes)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02) if p.dim() == 2 else None
+    return model
+
+
+def convert(model: Transformer, fmt: str) -> Transformer:
+    for layer in model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    new = Fp8Linear.from_linear(child) if fmt == "fp8" else Int4Linear.from_float(child, 64)
+                    setattr(parent, name, new)
+    return model
+
+
+@torch.no_grad()
+def model_check(device, smoke: bool) -> list[dict]:
+    rows = []
+    # the CPU reference is the dequantize GEMM (torch before 2.13 has no row-wise _scaled_mm on the CPU)
+    compiler.fp8_gemm.select_kernel = lambda device: "triton" if device.type == "cuda" else "dequant"
+    for seq in (64, 200):  # 2 x 200 tokens reach Int4Linear's dequantize + cuBLAS path
+        ids = torch.randint(0, 512 if smoke else 49152, (2, seq), generator=torch.Generator().manual_seed(seq))
+        float_logits = smollm2_shaped(smoke)(ids)
+        for fmt in ("fp8", "int4"):
+            cpu_model = convert(smollm2_shaped(smoke), fmt)
+            ref = cpu_model(ids)  # torch reference paths (CPU, float32)
+            row = {"format": fmt, "tokens": 2 * seq, "rel_vs_float": rel(ref, float_logits)}
+            if fmt == "fp8":
+                row["cpu_spread_at_1e-3"] = rel(perturbed_gemms(cpu_model, ids), ref)
+            row["rel_gpu_vs_cpu"] = rel(cpu_model.to(device)(ids.to(device)), ref)
+            rows.append(row)
+    return rows
+
+
+def perturbed_gemms(model: Transformer, ids: torch.Tensor, size: float = 1e-3) -> torch.Tensor:
+    """Logits with every FP8 GEMM output multiplied by (1 + size * N(0, 1)): the model's sensitivity
+    to differences as small as the GPU kernel's (float32 accumulation order, Hopper's FP8 sums)."""
+    import compiler.fp8 as fp8
+
+    exact = fp8.fp8_gemm
+    gen = torch.Generator().manual_seed(0)
+    fp8.fp8_gemm = lambda *a, **kw: (lambda y: y * (1 + size * torch.randn(y.shape, generator=gen)))(exact(*a, **kw))
+    try:
+        return model(ids)
+    finally:
+        fp8.fp8_gemm = exact
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write all results to this file")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timings (CPU under TRITON_INTERPRET=1)")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not (args.smoke and os.environ.get("TRITON_INTERPRET") == "1"):
+        raise SystemExit("no CUDA device: run with --smoke under TRITON_INTERPRET=1 for a CPU dry run")
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
+               "torch": torch.__version__}
+    start = time.time()
+    parts = [("fp8_correctness", lambda: check_fp8(device, args.smoke)),
+             ("w4a16_correctness", lambda: check_w4a16(device, args.smoke)),
+             ("model_correctness", lambda: model_check(device, args.smoke))]
+    if not args.smoke:
+        parts += [("fp8_speed", lambda: speed_fp8(device)), ("w4a16_speed", lambda: speed_w4a16(device))]
+    for name, run in parts:
+        results[name] = attempt(run)
+        print(name, json.dumps(results[name])[:3000], f"({time.time() - start:.0f} s)", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
