@@ -32,6 +32,7 @@ E5M2 = {"weight_dtype": "float8_e5m2", "activation_dtype": "float8_e5m2"}
 VARIANTS = {  # the four figures first, then the other options
     "float": None,
     "w8a8-dynamic": {},
+    "w8a8-dynamic-group64": {"activation_group_size": 64},  # per token and 64 channels (64 divides 576, 1536)
     "w8a8-static-absmax": {"activation_scheme": "static"},
     "kv-e4m3-per-head": {"convert_linears": False, "kv_cache_dtype": "float8_e4m3fn"},
     "e5m2-w8a8-dynamic": E5M2,

@@ -15,7 +15,9 @@ The ``fp8`` format (``Fp8Linear``), buffers stored in the artifact under the mod
     bias          model dtype [out_features], when the layer has one
 
 ``activation_scheme`` is ``dynamic`` (one scale per token, computed at run time from the
-token's absolute maximum), ``static`` (the calibrated ``input_scale``) or ``none`` (weight-only:
+token's absolute maximum; with ``activation_group_size`` G > 0, one per G consecutive input
+channels of a token, as DeepSeek-V3's 1×128 tiles, so a token's outlier channels no longer push
+its other channels towards FP8's subnormals), ``static`` (the calibrated ``input_scale``) or ``none`` (weight-only:
 the weight is dequantized and multiplied in the model dtype).
 """
 from __future__ import annotations
@@ -79,6 +81,13 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
     return quantize(x, scale[:, None], dtype), scale
 
 
+def quantize_per_token_group(x: torch.Tensor, dtype: torch.dtype, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> codes [M, K] and one scale per row and group of ``group`` columns [M, K / group]:
+    each group is quantized as a token of its own."""
+    q, scale = quantize_per_token(x.reshape(-1, group), dtype)
+    return q.reshape(x.shape), scale.reshape(x.shape[0], -1)
+
+
 @register_format
 class Fp8Linear(QuantizedLinear):
     """A Linear with FP8 weights and (optionally) FP8 activations; see the module docstring."""
@@ -87,8 +96,13 @@ class Fp8Linear(QuantizedLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  weight_dtype: str = "float8_e4m3fn", granularity: str = "per_channel",
-                 activation_dtype: str = "float8_e4m3fn", activation_scheme: str = "dynamic"):
+                 activation_dtype: str = "float8_e4m3fn", activation_scheme: str = "dynamic",
+                 activation_group_size: int = 0):
         super().__init__()
+        if activation_group_size and (activation_scheme != "dynamic" or in_features % activation_group_size):
+            raise ValueError(f"activation_group_size {activation_group_size} needs dynamic activations and must "
+                             f"divide in_features ({in_features})")
+        self.activation_group_size = activation_group_size
         self.in_features, self.out_features = in_features, out_features
         self.weight_dtype, self.granularity = weight_dtype, granularity
         self.activation_dtype, self.activation_scheme = activation_dtype, activation_scheme
@@ -113,7 +127,7 @@ class Fp8Linear(QuantizedLinear):
     def from_linear(cls, linear: nn.Linear, weight_dtype: str = "float8_e4m3fn", granularity: str = "per_channel",
                     activation_dtype: str = "float8_e4m3fn", activation_scheme: str = "dynamic",
                     input_scale: float | None = None, weight: torch.Tensor | None = None,
-                    scale: torch.Tensor | None = None) -> "Fp8Linear":
+                    scale: torch.Tensor | None = None, activation_group_size: int = 0) -> "Fp8Linear":
         """Quantize ``linear``'s weight; ``input_scale`` is required when activations are static.
         ``weight`` and ``scale`` replace the layer's weight and its abs-max scale (GPTQ rounds a
         compensated weight on the original weight's scales)."""
@@ -121,7 +135,7 @@ class Fp8Linear(QuantizedLinear):
         if activation_scheme == "static" and input_scale is None:
             raise ValueError("static activations need a calibrated input_scale")
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype,
-                weight_dtype, granularity, activation_dtype, activation_scheme).to(w.device)
+                weight_dtype, granularity, activation_dtype, activation_scheme, activation_group_size).to(w.device)
         wdt = fp8_dtype(weight_dtype)
         scale = weight_scale(w, wdt, granularity) if scale is None else scale.float()
         m.weight.copy_(quantize(w, scale[:, None], wdt))
@@ -138,13 +152,16 @@ class Fp8Linear(QuantizedLinear):
                 "activation_scheme": self.activation_scheme}
         if self.activation_scheme != "none":
             meta["activation_dtype"] = self.activation_dtype
+        if self.activation_group_size:
+            meta["activation_group_size"] = self.activation_group_size
         return meta
 
     @classmethod
     def empty(cls, meta: dict, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> "Fp8Linear":
         try:
             return cls(in_features, out_features, bias, dtype, meta["weight_dtype"], meta["granularity"],
-                       meta.get("activation_dtype", "float8_e4m3fn"), meta["activation_scheme"])
+                       meta.get("activation_dtype", "float8_e4m3fn"), meta["activation_scheme"],
+                       meta.get("activation_group_size", 0))
         except KeyError as e:
             raise ArtifactError(f"fp8 module entry lacks {e}; the manifest is corrupt, recompile the artifact") from None
 
@@ -152,15 +169,22 @@ class Fp8Linear(QuantizedLinear):
         return dequantize(self.weight, self.weight_scale[:, None])
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [M, K] -> FP8 codes [M, K] and scales [M] (dynamic) or [1] (static)."""
+        """x [M, K] -> FP8 codes [M, K] and scales [M] (dynamic), [M, K / G] (dynamic with groups of
+        G channels) or [1] (static)."""
         dtype = fp8_dtype(self.activation_dtype)
-        if x.is_cuda:  # one fused kernel instead of five torch ones
+        static = self.input_scale if self.activation_scheme == "static" else None
+        if x.is_cuda:  # one fused kernel instead of five torch ones; a group is quantized as a row
             from compiler.fp8_triton import triton_quantize_rows
 
-            return triton_quantize_rows(x, dtype, None if self.activation_scheme == "dynamic" else self.input_scale)
-        if self.activation_scheme == "dynamic":
-            return quantize_per_token(x, dtype)
-        return quantize(x, self.input_scale, dtype), self.input_scale
+            if not self.activation_group_size:
+                return triton_quantize_rows(x, dtype, static)
+            q, scale = triton_quantize_rows(x.reshape(-1, self.activation_group_size), dtype)
+            return q.reshape(x.shape), scale.reshape(x.shape[0], -1)
+        if self.activation_group_size:
+            return quantize_per_token_group(x, dtype, self.activation_group_size)
+        if static is not None:
+            return quantize(x, static, dtype), static
+        return quantize_per_token(x, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

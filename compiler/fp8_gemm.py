@@ -2,7 +2,8 @@
 
 Three implementations of one contract, all compared in tests on fresh random inputs:
 
-    a        FP8 [M, K]  activations          a_scale  float32 [M] (per token) or [1]
+    a        FP8 [M, K]  activations          a_scale  float32 [M] (per token), [M, K/G] (per token
+                                                       and group of G columns) or [1]
     b        FP8 [N, K]  weight (Linear layout) b_scale  float32 [N] (per channel) or [1]
     bias     [N] or None                        -> y [M, N] in ``out_dtype``
 
@@ -10,8 +11,8 @@ Three implementations of one contract, all compared in tests on fresh random inp
 - ``scaled_mm``: ``torch._scaled_mm`` (CPU and H100 in torch 2.13), accumulating in float32;
 - ``triton``: the OpenAI Triton kernel in ``compiler.fp8_triton`` (H100; CPU via TRITON_INTERPRET=1).
 
-``fp8_gemm`` picks by device: Triton on CUDA, ``_scaled_mm`` on the CPU, the reference on anything
-else. On the CPU, FP8 saves memory, not time: with no FP8 arithmetic there, both ``_scaled_mm`` and
+``fp8_gemm`` picks by device: Triton on CUDA, ``_scaled_mm`` on the CPU (the reference for group
+scales), the reference on anything else. On the CPU, FP8 saves memory, not time: with no FP8 arithmetic there, both ``_scaled_mm`` and
 dequantize-matmul are slower than a float32 matmul (docs/BENCHMARKS.md, "FP8 casts").
 """
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch
 
 def dequant_gemm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.float32) -> torch.Tensor:
     """Reference: dequantize both operands to float32, then an ordinary matmul."""
-    y = (a.float() * a_scale.float()[:, None]) @ (b.float() * b_scale.float()[:, None]).t()
+    sa = a_scale.float()
+    sa = sa.repeat_interleave(a.shape[1] // sa.shape[1], dim=1) if sa.dim() == 2 else sa[:, None]
+    y = (a.float() * sa) @ (b.float() * b_scale.float()[:, None]).t()
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
@@ -55,15 +58,16 @@ def triton_gemm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.float32) -> t
 FP8_KERNELS = {"dequant": dequant_gemm, "scaled_mm": scaled_mm_gemm, "triton": triton_gemm}
 
 
-def select_kernel(device: torch.device) -> str:
-    """The kernel ``fp8_gemm`` runs on ``device``."""
+def select_kernel(device: torch.device, grouped: bool = False) -> str:
+    """The kernel ``fp8_gemm`` runs on ``device`` (``grouped``: a_scale per token and column group,
+    which ``_scaled_mm`` does not take)."""
     if device.type == "cuda":
         return "triton"
-    if device.type == "cpu":
+    if device.type == "cpu" and not grouped:
         return "scaled_mm"
     return "dequant"
 
 
 def fp8_gemm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.float32, kernel: str | None = None) -> torch.Tensor:
     """W8A8 FP8 GEMM with the kernel for ``a``'s device (or the one named)."""
-    return FP8_KERNELS[kernel or select_kernel(a.device)](a, a_scale, b, b_scale, bias, out_dtype)
+    return FP8_KERNELS[kernel or select_kernel(a.device, a_scale.dim() == 2)](a, a_scale, b, b_scale, bias, out_dtype)

@@ -6,7 +6,9 @@ Each program computes one [BLOCK_M, BLOCK_N] tile of ``y = a @ b.T``: it walks K
 steps feeding FP8 tiles straight to ``tl.dot`` (the tensor cores' FP8 path on Hopper) with a
 float32 accumulator, then applies the row scales of ``a`` and the column scales of ``b`` once
 at the end (scales factor out of the K sum), adds the bias and stores in the output dtype.
-A per-tensor scale is passed with stride 0, so one kernel serves every granularity.
+A per-tensor scale is passed with stride 0, so one kernel serves every granularity. With
+activation scales per token and group of A_GROUP columns, BLOCK_K divides A_GROUP, so each K step
+lies in one group: its partial product is scaled by that group's [BLOCK_M] scales as it is added.
 Hopper's FP8 tensor cores accumulate with fewer than float32's bits; ``precise_acc`` promotes the
 partial sums into the float32 accumulator every BLOCK_K products (as DeepSeek-V3 does every 128),
 which bounds the error growth in K at a 35–45% cost in speed (docs/BENCHMARKS.md).
@@ -27,7 +29,7 @@ from compiler.fp8 import MIN_SCALE, fp8_max
 @triton.jit
 def _fp8_gemm_kernel(a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
                      M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_ym, stride_yn,
-                     stride_as, stride_bs, HAS_BIAS: tl.constexpr, PRECISE_ACC: tl.constexpr,
+                     stride_as, stride_bs, HAS_BIAS: tl.constexpr, PRECISE_ACC: tl.constexpr, A_GROUP: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -40,13 +42,16 @@ def _fp8_gemm_kernel(a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)  # [BM, BK] fp8
         b = tl.load(b_ptr + rn[None, :] * stride_bn + kk[:, None] * stride_bk,
                     mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BK, BN] fp8
-        if PRECISE_ACC:
+        if A_GROUP:  # scale this K step's partial product by its group's activation scales
+            sa_k = tl.load(a_scale_ptr + rm * stride_as + k0 // A_GROUP, mask=rm < M, other=0.0)
+            acc += tl.dot(a, b) * sa_k[:, None]
+        elif PRECISE_ACC:
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         else:
             acc = tl.dot(a, b, acc)
-    sa = tl.load(a_scale_ptr + rm * stride_as, mask=rm < M, other=0.0)
-    sb = tl.load(b_scale_ptr + rn * stride_bs, mask=rn < N, other=0.0)
-    acc = acc * sa[:, None] * sb[None, :]
+    if not A_GROUP:
+        acc = acc * tl.load(a_scale_ptr + rm * stride_as, mask=rm < M, other=0.0)[:, None]
+    acc = acc * tl.load(b_scale_ptr + rn * stride_bs, mask=rn < N, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -67,20 +72,24 @@ def default_config(m: int, n: int, k: int) -> dict:
 def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
                     config: dict | None = None) -> torch.Tensor:
-    """y [M, N] = dequant(a [M, K]) @ dequant(b [N, K]).T + bias; scales [M]/[N] or [1] (see fp8_gemm).
-    ``config`` overrides ``default_config`` (block_m/n/k, num_warps, num_stages, precise_acc)."""
+    """y [M, N] = dequant(a [M, K]) @ dequant(b [N, K]).T + bias; scales [M] or [M, K/G], [N], or [1]
+    (see fp8_gemm). ``config`` overrides ``default_config`` (block_m/n/k, num_warps, num_stages,
+    precise_acc); with group scales block_k shrinks to the largest power of two dividing G."""
     M, K = a.shape
     N = b.shape[0]
-    cfg = config or default_config(M, N, K)
+    cfg = dict(config or default_config(M, N, K))
     a_scale, b_scale = a_scale.float().contiguous(), b_scale.float().contiguous()
+    group = K // a_scale.shape[1] if a_scale.dim() == 2 else 0
+    if group:
+        cfg["block_k"] = min(cfg["block_k"], group & -group)  # a K step never straddles two groups
     y = torch.empty(M, N, dtype=out_dtype, device=a.device)
     grid = (triton.cdiv(M, cfg["block_m"]), triton.cdiv(N, cfg["block_n"]))
     _fp8_gemm_kernel[grid](
         a, b, y, a_scale, b_scale, bias if bias is not None else y,
         M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0), y.stride(1),
-        0 if a_scale.numel() == 1 else 1, 0 if b_scale.numel() == 1 else 1, HAS_BIAS=bias is not None,
-        PRECISE_ACC=cfg.get("precise_acc", False), BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        a_scale.stride(0) if group else int(a_scale.numel() > 1), int(b_scale.numel() > 1),
+        HAS_BIAS=bias is not None, PRECISE_ACC=cfg.get("precise_acc", False), A_GROUP=group,
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y
 

@@ -5,6 +5,7 @@
     weight_dtype = "float8_e4m3fn"      # or "float8_e5m2"
     granularity = "per_channel"         # weight scales: "per_channel" (one per output row) or "per_tensor"
     activation_scheme = "dynamic"       # "dynamic" per token, "static" per tensor, "none" (weight-only)
+    activation_group_size = 0           # dynamic: one scale per token (0) or per token and G channels
     static_calibration = "absmax"       # static scale from the abs-max, or "percentile"
     modules_to_not_convert = ["lm_head", "embed_tokens"]
     max_layer_error = 0.1               # relative output error above which a layer stays in float
@@ -49,6 +50,9 @@ class Fp8Options:
     granularity: Literal["per_channel", "per_tensor"] = "per_channel"
     activation_scheme: Literal["dynamic", "static", "none"] = "dynamic"
     activation_dtype: Fp8DtypeName = "float8_e4m3fn"
+    # Dynamic scales per token and group of this many input channels (0: per token); a multiple of
+    # 16 dividing every converted layer's in_features (SmolLM2: 64 divides 576 and 1536, 128 does not).
+    activation_group_size: int = 0
     # Static scales: "absmax" covers every calibration token; "percentile" covers that percentile
     # of the tokens' abs-maxima (the rest saturate), trading rare outliers for finer steps.
     static_calibration: Literal["absmax", "percentile"] = "absmax"
@@ -77,6 +81,10 @@ class Fp8Options:
             raise ValueError(f"gptq_damp must be in (0, 1), got {self.gptq_damp}")
         if self.error_tokens < 1:
             raise ValueError(f"error_tokens must be >= 1, got {self.error_tokens}")
+        if self.activation_group_size < 0 or self.activation_group_size % 16:
+            raise ValueError(f"activation_group_size must be 0 or a positive multiple of 16, got {self.activation_group_size}")
+        if self.activation_group_size and self.activation_scheme != "dynamic":
+            raise ValueError(f"activation_group_size needs activation_scheme = \"dynamic\", not {self.activation_scheme!r}")
         if not self.convert_linears and self.kv_cache_dtype == "none":
             raise ValueError("convert_linears = false with kv_cache_dtype = \"none\" converts nothing; "
                              "set a kv_cache_dtype or drop convert_linears")
@@ -107,8 +115,8 @@ class Fp8Pass(Pass):
 
     def _format(self, in_features: int, out_features: int) -> dict:
         o = self.options
-        return Fp8Linear(0, 0, False, torch.float32, o.weight_dtype, o.granularity, o.activation_dtype,
-                         o.activation_scheme).format_meta() | {"in_features": in_features, "out_features": out_features}
+        return Fp8Linear(in_features, out_features, False, torch.float32, o.weight_dtype, o.granularity, o.activation_dtype,
+                         o.activation_scheme, o.activation_group_size).format_meta()
 
     def planned_formats(self, config: ModelConfig) -> dict[str, dict]:
         model = _meta_model(config)
@@ -116,10 +124,18 @@ class Fp8Pass(Pass):
         return {n: self._format(linears[n].in_features, linears[n].out_features) for n in self._candidates(model)}
 
     def check(self, config: ModelConfig) -> None:
-        names = [n for n, _ in _meta_model(config).named_modules() if n]
+        model = _meta_model(config)
+        names = [n for n, _ in model.named_modules() if n]
         for p in self.options.modules_to_not_convert:
             if not any(matches(n, p) for n in names):
                 raise ConfigError(f"modules_to_not_convert pattern {p!r} matches no module (e.g. {names[-1]!r}); fix or remove it")
+        group = self.options.activation_group_size
+        for name in self._candidates(model) if group else []:
+            k = model.get_submodule(name).in_features
+            if k % group:
+                divisors = [g for g in range(16, k + 1, 16) if k % g == 0]
+                raise ConfigError(f"activation_group_size {group} does not divide {name}'s {k} input features; "
+                                  f"use one that divides every layer's (for {k}: {', '.join(map(str, divisors))})")
 
     def run(self, model: Transformer, context: PassContext) -> PassReport:
         o = self.options
@@ -227,7 +243,7 @@ class Fp8Pass(Pass):
         if o.weight_rounding == "gptq":
             weight, scale = self._gptq_weight(linear, stats["hessian"])
         q = Fp8Linear.from_linear(linear, o.weight_dtype, o.granularity, o.activation_dtype, o.activation_scheme,
-                                  input_scale, weight, scale)
+                                  input_scale, weight, scale, o.activation_group_size)
         row = {"module": name, "decision": "fp8"}
         if input_scale is not None:
             row["input_scale"] = input_scale

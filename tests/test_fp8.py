@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from compiler.fp8 import (FP8_DTYPES, Fp8Linear, quantize, quantize_per_token, saturating_cast, scale_from_amax,
-                          weight_scale)
+from compiler.fp8 import (FP8_DTYPES, Fp8Linear, quantize, quantize_per_token, quantize_per_token_group, saturating_cast,
+                          scale_from_amax, weight_scale)
 from compiler.fp8_gemm import FP8_KERNELS, dequant_gemm, fp8_gemm, select_kernel
 
 DTYPES = list(FP8_DTYPES.values())
@@ -171,3 +171,41 @@ def test_triton_activation_cast_matches_torch(dtype, rows, k):
         assert torch.equal(pre_rounding.to(dtype).view(torch.uint8), q_ref.view(torch.uint8))
         q, _ = triton_quantize_rows(x, dtype, scale)
         assert q.dtype == dtype and torch.isfinite(q.float()).all()
+
+
+@pytest.mark.parametrize("kernel", ["dequant", "triton"])
+@pytest.mark.parametrize("group", [32, 96])  # 96: the Triton kernel steps K by 32 inside each group
+def test_group_scaled_activations_match_a_hand_dequantized_product(kernel, group):
+    g = torch.Generator().manual_seed(group)
+    x, w = torch.randn(21, 192, generator=g), torch.randn(40, 192, generator=g)
+    x[:, 5] *= 1e5  # one outlier channel: only its own group's scales grow
+    xq, xs = quantize_per_token_group(x, torch.float8_e4m3fn, group)
+    assert xs.shape == (21, 192 // group)
+    wq, ws = quantize(w, w.abs().amax(1, keepdim=True) / 448, torch.float8_e4m3fn), w.abs().amax(1) / 448
+    by_hand = (xq.float().view(21, -1, group) * xs[..., None]).view(21, 192) @ (wq.float() * ws[:, None]).t()
+    assert rel_error(FP8_KERNELS[kernel](xq, xs, wq, ws), by_hand) < 1e-5
+    assert rel_error(fp8_gemm(xq, xs, wq, ws), by_hand) < 1e-5  # the CPU default takes group scales too
+    # finer scales: per token, the outlier pushes the token's other channels into E4M3's subnormals;
+    # per group, only the channels of its own group
+    rest = slice(group, None)
+    pq, ps = quantize_per_token(x, torch.float8_e4m3fn)
+    per_token = rel_error((pq.float() * ps[:, None])[:, rest], x[:, rest])
+    per_group = rel_error((xq.float().view(21, -1, group) * xs[..., None]).view(21, 192)[:, rest], x[:, rest])
+    assert per_group < 0.05 < per_token
+
+
+def test_fp8_linear_with_activation_groups_round_trips_its_meta():
+    torch.manual_seed(4)
+    lin = nn.Linear(64, 24)
+    q = Fp8Linear.from_linear(lin, activation_group_size=32)
+    x = torch.randn(5, 64)
+    assert rel_error(q(x), lin(x)) < 0.08
+    meta = q.format_meta()
+    assert meta["activation_group_size"] == 32
+    empty = Fp8Linear.empty(meta, 64, 24, True, torch.float32)
+    empty.load_state_dict(q.state_dict())
+    assert torch.equal(empty(x), q(x))
+    with pytest.raises(ValueError, match="must divide in_features"):
+        Fp8Linear.from_linear(lin, activation_group_size=48)
+    with pytest.raises(ValueError, match="needs dynamic activations"):
+        Fp8Linear.from_linear(lin, activation_scheme="static", input_scale=1.0, activation_group_size=32)

@@ -172,11 +172,31 @@ def test_two_passes_cannot_claim_one_layer(tiny):
     ({"kv_cache_granularity": "per_token"}, "kv_cache_granularity"),
     ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert"),
     ({"max_layer_eror": 0.1}, "did you mean 'max_layer_error'"),
+    ({"activation_group_size": 40}, "multiple of 16"),
+    ({"activation_group_size": 32, "activation_scheme": "static"}, "needs activation_scheme"),
 ])
 def test_bad_options_are_one_line_config_errors(options, message):
     with pytest.raises(ConfigError, match=message) as e:
         Pipeline(pipeline(**options))
     assert "\n" not in str(e.value)
+
+
+def test_activation_group_must_divide_every_layer(tiny):
+    # the tiny model's Linears read 64 (hidden) or 96 (intermediate) features: 64 does not divide 96
+    with pytest.raises(PipelineValidationError, match="64 does not divide layers.0.mlp.down_proj's 96 input "
+                                                      "features; .*for 96: 16, 32, 48, 96"):
+        Pipeline(pipeline(activation_group_size=64)).validate(tiny().model.config)
+
+
+@torch.no_grad()
+def test_activation_groups_round_trip_through_the_artifact(tiny, tmp_path):
+    float_logits = tiny().model(ids())
+    loaded = tiny()
+    result = compile_loaded(loaded, pipeline(max_layer_error=10.0, activation_group_size=32), tmp_path / "a")
+    reloaded = load_artifact(result.path)
+    assert torch.equal(reloaded.model(ids()), loaded.model(ids()))
+    assert 0 < float((reloaded.model(ids()) - float_logits).norm() / float_logits.norm()) < 0.3
+    assert all(m["activation_group_size"] == 32 for m in reloaded.manifest["modules"].values())
 
 
 def test_pattern_matching_nothing_is_a_validation_error(tiny):
