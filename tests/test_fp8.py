@@ -84,6 +84,8 @@ def test_kernel_selection_by_device():
     assert select_kernel(torch.device("cpu")) == "scaled_mm"
     assert select_kernel(torch.device("cuda")) == "triton"
     assert select_kernel(torch.device("meta")) == "dequant"
+    assert select_kernel(torch.device("cpu"), grouped=True) == "dequant"  # _scaled_mm takes no group scales
+    assert select_kernel(torch.device("cuda"), grouped=True) == "triton"
 
 
 @pytest.mark.parametrize("scheme", ["dynamic", "static", "none"])
