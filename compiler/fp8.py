@@ -17,8 +17,8 @@ The ``fp8`` format (``Fp8Linear``), buffers stored in the artifact under the mod
 ``activation_scheme`` is ``dynamic`` (one scale per token, computed at run time from the
 token's absolute maximum; with ``activation_group_size`` G > 0, one per G consecutive input
 channels of a token, as DeepSeek-V3's 1×128 tiles, so a token's outlier channels no longer push
-its other channels towards FP8's subnormals), ``static`` (the calibrated ``input_scale``) or ``none`` (weight-only:
-the weight is dequantized and multiplied in the model dtype).
+its other channels towards FP8's subnormals), ``static`` (the calibrated ``input_scale``) or
+``none`` (weight-only: the weight is dequantized and multiplied in the model dtype).
 """
 from __future__ import annotations
 

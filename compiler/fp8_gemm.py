@@ -12,8 +12,9 @@ Three implementations of one contract, all compared in tests on fresh random inp
 - ``triton``: the OpenAI Triton kernel in ``compiler.fp8_triton`` (H100; CPU via TRITON_INTERPRET=1).
 
 ``fp8_gemm`` picks by device: Triton on CUDA, ``_scaled_mm`` on the CPU (the reference for group
-scales), the reference on anything else. On the CPU, FP8 saves memory, not time: with no FP8 arithmetic there, both ``_scaled_mm`` and
-dequantize-matmul are slower than a float32 matmul (docs/BENCHMARKS.md, "FP8 casts").
+scales), the reference on anything else. On the CPU, FP8 saves memory, not time: with no FP8
+arithmetic there, both ``_scaled_mm`` and dequantize-matmul are slower than a float32 matmul
+(docs/BENCHMARKS.md, "FP8 casts").
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def _rowwise(scale: torch.Tensor, n: int) -> torch.Tensor:
 
 def scaled_mm_gemm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.float32) -> torch.Tensor:
     """``torch._scaled_mm``: per-tensor scales when both are scalars, else row-wise (expanding a scalar)."""
+    if a_scale.dim() == 2:
+        raise ValueError("torch._scaled_mm takes no per-group activation scales; use the dequant or triton kernel")
     if a_scale.numel() == 1 and b_scale.numel() == 1:
         sa, sb = a_scale.float().reshape(()), b_scale.float().reshape(())
     else:

@@ -187,6 +187,8 @@ def test_group_scaled_activations_match_a_hand_dequantized_product(kernel, group
     by_hand = (xq.float().view(21, -1, group) * xs[..., None]).view(21, 192) @ (wq.float() * ws[:, None]).t()
     assert rel_error(FP8_KERNELS[kernel](xq, xs, wq, ws), by_hand) < 1e-5
     assert rel_error(fp8_gemm(xq, xs, wq, ws), by_hand) < 1e-5  # the CPU default takes group scales too
+    with pytest.raises(ValueError, match="no per-group activation scales"):
+        FP8_KERNELS["scaled_mm"](xq, xs, wq, ws)
     # finer scales: per token, the outlier pushes the token's other channels into E4M3's subnormals;
     # per group, only the channels of its own group
     rest = slice(group, None)
