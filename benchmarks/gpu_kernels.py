@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compiler.config import ModelConfig
-from compiler.fp8 import Fp8Linear, quantize, quantize_per_token
+from compiler.fp8 import Fp8Linear, quantize, quantize_per_token, quantize_per_token_group
 import compiler.fp8_gemm
 from compiler.fp8_gemm import dequant_gemm, scaled_mm_gemm
 from compiler.fp8_triton import default_config, triton_fp8_gemm, triton_quantize_rows
@@ -99,6 +99,10 @@ def check_fp8(device, smoke: bool) -> list[dict]:
                        "triton": rel(triton_fp8_gemm(xq, xs, wq, ws, b), ref),
                        # share of activations the cast clipped to ±448 (only the too-small static scale clips)
                        "saturated_fraction": float((x.abs() / xs.reshape(-1, 1) > 448 * 1.001).float().mean())}
+                if not per_tensor:  # activation scales per token and group of 32 (smoke) or 64 channels
+                    xg, sg = quantize_per_token_group(x, E4M3, 32 if smoke else 64)
+                    ref_g = dequant_gemm(xg.cpu(), sg.cpu(), wq.cpu(), ws.cpu(), None if b is None else b.cpu())
+                    row["triton_group"] = rel(triton_fp8_gemm(xg, sg, wq, ws, b), ref_g)
                 if device.type == "cuda":
                     row["scaled_mm"] = attempt(lambda: rel(scaled_mm_gemm(xq, xs, wq, ws, b), ref))
                     # the fused cast against torch's on the CPU, bitwise (torch on CUDA divides a tensor
@@ -163,6 +167,7 @@ def speed_fp8(device) -> list[dict]:
             x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
             lin = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
             q = Fp8Linear.from_linear(lin)
+            q64 = Fp8Linear.from_linear(lin, activation_group_size=64)
             xq, xs = quantize_per_token(x, E4M3)
             flop = 2 * tokens * k * n
             base = bench_ms(lambda: lin(x))
@@ -172,6 +177,7 @@ def speed_fp8(device) -> list[dict]:
                    "triton_default_ms": attempt(lambda: bench_ms(
                        lambda: triton_fp8_gemm(xq, xs, q.weight, q.weight_scale, None, torch.bfloat16))),
                    "fp8linear_ms": attempt(lambda: bench_ms(lambda: q(x))),  # cast + GEMM, as a model calls it
+                   "fp8linear_group64_ms": attempt(lambda: bench_ms(lambda: q64(x))),
                    "cast_torch_ms": bench_ms(lambda: quantize_per_token(x, E4M3)),
                    "cast_triton_ms": attempt(lambda: bench_ms(lambda: triton_quantize_rows(x, E4M3))),
                    "eager_bf16_ms": bench_ms(lambda: lin(x), graph=False),
@@ -237,7 +243,7 @@ def convert(model: Transformer, fmt: str) -> Transformer:
 def model_check(device, smoke: bool) -> list[dict]:
     rows = []
     # the CPU reference is the dequantize GEMM (torch before 2.13 has no row-wise _scaled_mm on the CPU)
-    compiler.fp8_gemm.select_kernel = lambda device: "triton" if device.type == "cuda" else "dequant"
+    compiler.fp8_gemm.select_kernel = lambda device, grouped=False: "triton" if device.type == "cuda" else "dequant"
     for seq in (64, 200):  # 2 x 200 tokens reach Int4Linear's dequantize + cuBLAS path
         ids = torch.randint(0, 512 if smoke else 49152, (2, seq), generator=torch.Generator().manual_seed(seq))
         float_logits = smollm2_shaped(smoke)(ids)
