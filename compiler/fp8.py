@@ -81,10 +81,11 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
     return quantize(x, scale[:, None], dtype), scale
 
 
-def quantize_per_token_group(x: torch.Tensor, dtype: torch.dtype, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token_group(x: torch.Tensor, dtype: torch.dtype, group: int,
+                             per_row=quantize_per_token) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> codes [M, K] and one scale per row and group of ``group`` columns [M, K / group]:
-    each group is quantized as a token of its own."""
-    q, scale = quantize_per_token(x.reshape(-1, group), dtype)
+    each group is quantized as a token of its own by ``per_row`` (torch's, or the Triton cast)."""
+    q, scale = per_row(x.reshape(-1, group), dtype)
     return q.reshape(x.shape), scale.reshape(x.shape[0], -1)
 
 
@@ -172,19 +173,16 @@ class Fp8Linear(QuantizedLinear):
         """x [M, K] -> FP8 codes [M, K] and scales [M] (dynamic), [M, K / G] (dynamic with groups of
         G channels) or [1] (static)."""
         dtype = fp8_dtype(self.activation_dtype)
-        static = self.input_scale if self.activation_scheme == "static" else None
-        if x.is_cuda:  # one fused kernel instead of five torch ones; a group is quantized as a row
-            from compiler.fp8_triton import triton_quantize_rows
-
-            if not self.activation_group_size:
-                return triton_quantize_rows(x, dtype, static)
-            q, scale = triton_quantize_rows(x.reshape(-1, self.activation_group_size), dtype)
-            return q.reshape(x.shape), scale.reshape(x.shape[0], -1)
+        per_row = quantize_per_token
+        if x.is_cuda:  # one fused kernel instead of five torch ones
+            from compiler.fp8_triton import triton_quantize_rows as per_row
+        if self.activation_scheme == "static":
+            if x.is_cuda:
+                return per_row(x, dtype, self.input_scale)
+            return quantize(x, self.input_scale, dtype), self.input_scale
         if self.activation_group_size:
-            return quantize_per_token_group(x, dtype, self.activation_group_size)
-        if static is not None:
-            return quantize(x, static, dtype), static
-        return quantize_per_token(x, dtype)
+            return quantize_per_token_group(x, dtype, self.activation_group_size, per_row)
+        return per_row(x, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

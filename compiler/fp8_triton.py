@@ -62,19 +62,18 @@ def default_config(m: int, n: int, k: int) -> dict:
     """Tile sizes for an [M, K] x [K, N] product, picked from the H200 sweep of
     benchmarks/gpu_kernels.py (docs/BENCHMARKS.md, "GPU kernels on an H200")."""
     if m <= 64:  # decode: bound by reading the weight; long K tiles, many programs
-        return {"block_m": 64, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 3, "precise_acc": False}
+        return {"block_m": 64, "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 3}
     if triton.cdiv(m, 128) * triton.cdiv(n, 128) < 64:  # too few big tiles to fill the GPU
-        return {"block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 4, "precise_acc": False}
-    stages = 4 if m < 1024 else 3
-    return {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": stages, "precise_acc": False}
+        return {"block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 4}
+    return {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 4 if m < 1024 else 3}
 
 
 def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
                     config: dict | None = None) -> torch.Tensor:
     """y [M, N] = dequant(a [M, K]) @ dequant(b [N, K]).T + bias; scales [M] or [M, K/G], [N], or [1]
-    (see fp8_gemm). ``config`` overrides ``default_config`` (block_m/n/k, num_warps, num_stages,
-    precise_acc); with group scales block_k shrinks to the largest power of two dividing G."""
+    (see fp8_gemm). ``config`` overrides ``default_config`` (block_m/n/k, num_warps, num_stages;
+    precise_acc, off unless given); with group scales block_k shrinks to the largest power of two dividing G."""
     M, K = a.shape
     N = b.shape[0]
     cfg = dict(config or default_config(M, N, K))
@@ -89,7 +88,8 @@ def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
         M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0), y.stride(1),
         a_scale.stride(0) if group else int(a_scale.numel() > 1), int(b_scale.numel() > 1),
         HAS_BIAS=bias is not None, PRECISE_ACC=cfg.get("precise_acc", False), A_GROUP=group,
-        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y
 

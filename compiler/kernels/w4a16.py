@@ -27,6 +27,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _group_scale_zero(scale_ptr, zero_ptr, offs_n, mask_n, n_blocks, zero_stride, blk):
+    """Scales and zero points [BLOCK_N] (float32) of rows ``offs_n`` in group ``blk``."""
+    scale = tl.load(scale_ptr + offs_n * n_blocks + blk, mask=mask_n, other=0.0).to(tl.float32)
+    zbyte = tl.load(zero_ptr + offs_n * zero_stride + blk // 2, mask=mask_n, other=0)
+    return scale, ((zbyte >> ((blk % 2) * 4)) & 0xF).to(tl.float32)
+
+
+@triton.jit
+def _dequant_nibbles(byte, scale, zero, dtype: tl.constexpr):
+    """Packed bytes -> the weights of their low (even k) and high (odd k) nibbles in ``dtype``;
+    (code - zero) * scale is exact in float32, so one rounding to ``dtype``, as in the reference."""
+    w_lo = (((byte & 0xF).to(tl.float32) - zero) * scale).to(dtype)
+    w_hi = (((byte >> 4).to(tl.float32) - zero) * scale).to(dtype)
+    return w_lo, w_hi
+
+
+@triton.jit
 def _w4a16_kernel(x_ptr, qw_ptr, scale_ptr, zero_ptr, bias_ptr, y_ptr,
                   M, N, K, n_blocks, zero_stride, stride_xm, stride_ym,
                   GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -45,13 +62,8 @@ def _w4a16_kernel(x_ptr, qw_ptr, scale_ptr, zero_ptr, bias_ptr, y_ptr,
         x_even = tl.load(x_row + even[None, :], mask=mask_m[:, None] & (even[None, :] < K), other=0.0)
         x_odd = tl.load(x_row + even[None, :] + 1, mask=mask_m[:, None] & (even[None, :] + 1 < K), other=0.0)
         byte = tl.load(qw_ptr + offs_n[None, :] * row_bytes + (k0 // 2 + half)[:, None], mask=mask_n[None, :], other=0)
-        blk = k0 // GROUP
-        scale = tl.load(scale_ptr + offs_n * n_blocks + blk, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        zbyte = tl.load(zero_ptr + offs_n * zero_stride + blk // 2, mask=mask_n, other=0)
-        zero = ((zbyte >> ((blk % 2) * 4)) & 0xF).to(tl.float32)[None, :]
-        # (code - zero) * scale is exact in float32, so one rounding to x's dtype, as in the reference
-        w_lo = (((byte & 0xF).to(tl.float32) - zero) * scale).to(x_ptr.dtype.element_ty)
-        w_hi = (((byte >> 4).to(tl.float32) - zero) * scale).to(x_ptr.dtype.element_ty)
+        scale, zero = _group_scale_zero(scale_ptr, zero_ptr, offs_n, mask_n, n_blocks, zero_stride, k0 // GROUP)
+        w_lo, w_hi = _dequant_nibbles(byte, scale[None, :], zero[None, :], x_ptr.dtype.element_ty)
         acc = tl.dot(x_even, w_lo, acc)
         acc = tl.dot(x_odd, w_hi, acc)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -74,14 +86,10 @@ def _dequant_kernel(qw_ptr, scale_ptr, zero_ptr, w_ptr, N, K, n_blocks, zero_str
     mask_n = offs_n < N
     byte = tl.load(qw_ptr + offs_n[:, None] * (n_blocks * (GROUP // 2)) + (k0 // 2 + half)[None, :],
                    mask=mask_n[:, None], other=0)  # [BLOCK_N, BLOCK_K/2]
-    blk = k0 // GROUP
-    scale = tl.load(scale_ptr + offs_n * n_blocks + blk, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    zbyte = tl.load(zero_ptr + offs_n * zero_stride + blk // 2, mask=mask_n, other=0)
-    zero = ((zbyte >> ((blk % 2) * 4)) & 0xF).to(tl.float32)[:, None]
+    scale, zero = _group_scale_zero(scale_ptr, zero_ptr, offs_n, mask_n, n_blocks, zero_stride, k0 // GROUP)
+    w_lo, w_hi = _dequant_nibbles(byte, scale[:, None], zero[:, None], w_ptr.dtype.element_ty)
     even = k0 + 2 * half
     out = w_ptr + offs_n[:, None] * K + even[None, :]
-    w_lo = (((byte & 0xF).to(tl.float32) - zero) * scale).to(w_ptr.dtype.element_ty)
-    w_hi = (((byte >> 4).to(tl.float32) - zero) * scale).to(w_ptr.dtype.element_ty)
     tl.store(out, w_lo, mask=mask_n[:, None] & (even[None, :] < K))  # columns past K are padding
     tl.store(out + 1, w_hi, mask=mask_n[:, None] & (even[None, :] + 1 < K))
 
