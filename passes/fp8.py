@@ -82,9 +82,11 @@ class Fp8Options:
         if self.error_tokens < 1:
             raise ValueError(f"error_tokens must be >= 1, got {self.error_tokens}")
         if self.activation_group_size < 0 or self.activation_group_size % 16:
-            raise ValueError(f"activation_group_size must be 0 or a positive multiple of 16, got {self.activation_group_size}")
+            raise ValueError("activation_group_size must be 0 or a positive multiple of 16, "
+                             f"got {self.activation_group_size}")
         if self.activation_group_size and self.activation_scheme != "dynamic":
-            raise ValueError(f"activation_group_size needs activation_scheme = \"dynamic\", not {self.activation_scheme!r}")
+            raise ValueError("activation_group_size needs activation_scheme = \"dynamic\", "
+                             f"not {self.activation_scheme!r}")
         if not self.convert_linears and self.kv_cache_dtype == "none":
             raise ValueError("convert_linears = false with kv_cache_dtype = \"none\" converts nothing; "
                              "set a kv_cache_dtype or drop convert_linears")
@@ -115,8 +117,9 @@ class Fp8Pass(Pass):
 
     def _format(self, in_features: int, out_features: int) -> dict:
         o = self.options
-        return Fp8Linear(in_features, out_features, False, torch.float32, o.weight_dtype, o.granularity, o.activation_dtype,
-                         o.activation_scheme, o.activation_group_size).format_meta()
+        with torch.device("meta"):  # only the entry is wanted: allocate no buffers
+            return Fp8Linear(in_features, out_features, False, torch.float32, o.weight_dtype, o.granularity,
+                             o.activation_dtype, o.activation_scheme, o.activation_group_size).format_meta()
 
     def planned_formats(self, config: ModelConfig) -> dict[str, dict]:
         model = _meta_model(config)
