@@ -2,7 +2,7 @@
 
 One run, in four parts, all on fresh random inputs:
 
-1. FP8 W8A8 GEMM (``compiler.fp8_triton``) and ``torch._scaled_mm`` against the dequantize
+1. FP8 W8A8 GEMM (``compiler.kernels.fp8``) and ``torch._scaled_mm`` against the dequantize
    reference, per-token/per-channel and per-tensor scales, with bias, activations reaching far
    beyond E4M3's range (cast with a saturating static scale as well as per-token scales); the
    fused activation cast against torch's on the CPU, bitwise.
@@ -35,7 +35,7 @@ from compiler.config import ModelConfig
 from compiler.fp8 import Fp8Linear, quantize, quantize_per_token, quantize_per_token_group
 import compiler.fp8_gemm
 from compiler.fp8_gemm import dequant_gemm, scaled_mm_gemm
-from compiler.fp8_triton import default_config, triton_fp8_gemm, triton_quantize_rows
+from compiler.kernels.fp8 import default_config, triton_fp8_gemm, triton_quantize_rows
 from compiler.int4 import Int4Linear
 from compiler.kernels.w4a16 import w4_dequantize, w4a16_matmul
 from compiler.model import Transformer

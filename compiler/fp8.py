@@ -175,7 +175,7 @@ class Fp8Linear(QuantizedLinear):
         dtype = fp8_dtype(self.activation_dtype)
         per_row = quantize_per_token
         if x.is_cuda:  # one fused kernel instead of five torch ones
-            from compiler.fp8_triton import triton_quantize_rows as per_row
+            from compiler.kernels.fp8 import triton_quantize_rows as per_row
         if self.activation_scheme == "static":
             if x.is_cuda:
                 return per_row(x, dtype, self.input_scale)

@@ -9,7 +9,7 @@ Three implementations of one contract, all compared in tests on fresh random inp
 
 - ``dequant``: the reference, dequantize to float32 and matmul (runs anywhere);
 - ``scaled_mm``: ``torch._scaled_mm`` (CPU and H100 in torch 2.13), accumulating in float32;
-- ``triton``: the OpenAI Triton kernel in ``compiler.fp8_triton`` (H100; CPU via TRITON_INTERPRET=1).
+- ``triton``: the OpenAI Triton kernel in ``compiler.kernels.fp8`` (H100; CPU via TRITON_INTERPRET=1).
 
 ``fp8_gemm`` picks by device: Triton on CUDA, ``_scaled_mm`` on the CPU (the reference for group
 scales), the reference on anything else. On the CPU, FP8 saves memory, not time: with no FP8
@@ -53,7 +53,7 @@ def scaled_mm_gemm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.float32) -
 
 
 def triton_gemm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.float32) -> torch.Tensor:
-    from compiler.fp8_triton import triton_fp8_gemm  # triton is imported only where it runs
+    from compiler.kernels.fp8 import triton_fp8_gemm  # triton is imported only where it runs
 
     return triton_fp8_gemm(a, a_scale, b, b_scale, bias, out_dtype)
 

@@ -143,7 +143,7 @@ def test_module_to_dtype_keeps_fp8_codes_and_float32_scales():
 
 @pytest.mark.parametrize("precise_acc", [False, True])
 def test_triton_gemm_tile_configs_match_reference(precise_acc):
-    from compiler.fp8_triton import triton_fp8_gemm
+    from compiler.kernels.fp8 import triton_fp8_gemm
 
     _, _, xq, xs, wq, ws, bias = _operands(37, 80, 160, torch.float8_e4m3fn, torch.float8_e4m3fn, "per_channel", 5)
     ref = dequant_gemm(xq, xs, wq, ws, bias)
@@ -159,7 +159,7 @@ def test_triton_activation_cast_matches_torch(dtype, rows, k):
     """Scales bitwise, and the saturated values before rounding, rounded by torch, give torch's codes
     bitwise. (Triton's interpreter rounds float32 to FP8 in numpy, not exactly to nearest-even;
     benchmarks/gpu_kernels.py compares the codes a GPU writes with torch's bitwise.)"""
-    from compiler.fp8_triton import triton_quantize_rows
+    from compiler.kernels.fp8 import triton_quantize_rows
 
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) * 3
     x[0] = 0  # an all-zero row gets the minimum scale, not NaN
