@@ -45,11 +45,6 @@ VARIANTS = {  # the issue's four figures first, then the other options
     "kv-e4m3-per-tensor": {"convert_linears": False, "kv_cache_dtype": "float8_e4m3fn", "kv_cache_granularity": "per_tensor"},
     "kv-e5m2-per-head": {"convert_linears": False, "kv_cache_dtype": "float8_e5m2"},
     "w8-only": {"activation_scheme": "none"},
-    # SmoothQuant's channel smoothing (smoothquant_alpha) before the activation scales
-    "w8a8-dynamic-sq0.5": {"smoothquant_alpha": 0.5},
-    "w8a8-static-sq0.5": {"activation_scheme": "static", "smoothquant_alpha": 0.5},
-    "w8a8-dynamic-sq0.3": {"smoothquant_alpha": 0.3},
-    "w8a8-static-sq0.7": {"activation_scheme": "static", "smoothquant_alpha": 0.7},
     # round-to-nearest weights (weight_rounding = "nearest") instead of GPTQ's, for comparison
     "w8a8-dynamic-nearest": {"weight_rounding": "nearest"},
     "w8a8-static-absmax-nearest": {"activation_scheme": "static", "weight_rounding": "nearest"},

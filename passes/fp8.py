@@ -10,14 +10,11 @@
     modules_to_not_convert = ["lm_head", "embed_tokens"]
     max_layer_error = 0.1               # relative output error above which a layer stays in float
     weight_rounding = "gptq"            # error-compensating rounding on calibration inputs; or "nearest"
-    smoothquant_alpha = 0.5             # move activation outliers into the weights first (off if absent)
     kv_cache_dtype = "float8_e4m3fn"    # "none" keeps the KV cache in the model dtype
 
-Phases: (0) with ``smoothquant_alpha``, record each candidate's per-channel input abs-max and
-fold SmoothQuant's scales into the model (``passes/smoothquant.py``); (1) run the calibration
-windows through the model in its dtype, hooks recording for each candidate Linear the abs-max
-of every input token, a sample of input rows and (GPTQ) the Gram matrix XᵀX of its inputs, and
-for each attention layer the per-head K/V abs-max;
+Phases: (1) run the calibration windows through the model in its dtype, hooks recording for
+each candidate Linear the abs-max of every input token, a sample of input rows and (GPTQ) the
+Gram matrix XᵀX of its inputs, and for each attention layer the per-head K/V abs-max;
 (2) quantize each candidate (GPTQ: each weight column in turn, its rounding error pushed onto
 the columns not yet rounded; weight scales stay the abs-max ones), measure its relative
 output error on the sampled rows and keep it in float if that exceeds ``max_layer_error`` (a
@@ -42,9 +39,7 @@ from compiler.model import Transformer
 from compiler.pipeline import Pass, PassContext, PassReport, register_pass
 from compiler.progress import track
 from compiler.qlinear import linear_modules
-from passes.awq_plan import SCALING_GROUPS
 from passes.gptq import gptq_round
-from passes.smoothquant import smooth_model
 
 
 @dataclass
@@ -69,9 +64,6 @@ class Fp8Options:
     # rounded, weighted by the inverse Hessian of the calibration inputs (passes/gptq.py).
     weight_rounding: Literal["gptq", "nearest"] = "gptq"
     gptq_damp: float = 0.01
-    # SmoothQuant's migration strength α (None: no smoothing): channel j's input is divided by
-    # max|x_j|^α / max|w_j|^(1-α) and its weight column multiplied by it, folded into the norms.
-    smoothquant_alpha: float | None = None
     convert_linears: bool = True  # false: only the KV cache (for measuring it alone)
     kv_cache_dtype: Literal["none", "float8_e4m3fn", "float8_e5m2"] = "none"
     kv_cache_granularity: Literal["per_tensor", "per_head"] = "per_head"
@@ -87,11 +79,6 @@ class Fp8Options:
             raise ValueError(f"calibration_samples must be >= 1, got {self.calibration_samples}")
         if not 0 < self.gptq_damp < 1:
             raise ValueError(f"gptq_damp must be in (0, 1), got {self.gptq_damp}")
-        if self.smoothquant_alpha is not None and not 0 <= self.smoothquant_alpha <= 1:
-            raise ValueError(f"smoothquant_alpha must be in [0, 1] (or left out for none), got {self.smoothquant_alpha}")
-        if self.smoothquant_alpha is not None and self.activation_scheme == "none":
-            raise ValueError("smoothquant_alpha only helps quantized activations; "
-                             "drop it or set activation_scheme to \"dynamic\" or \"static\"")
         if self.error_tokens < 1:
             raise ValueError(f"error_tokens must be >= 1, got {self.error_tokens}")
         if self.activation_group_size < 0 or self.activation_group_size % 16:
@@ -145,9 +132,6 @@ class Fp8Pass(Pass):
         for p in self.options.modules_to_not_convert:
             if not any(matches(n, p) for n in names):
                 raise ConfigError(f"modules_to_not_convert pattern {p!r} matches no module (e.g. {names[-1]!r}); fix or remove it")
-        if self.options.smoothquant_alpha is not None and config.architecture not in SCALING_GROUPS:
-            raise ConfigError(f"smoothquant_alpha: no scaling groups for {config.architecture} "
-                              f"(supported: {', '.join(SCALING_GROUPS)}); leave it out for this model")
         group = self.options.activation_group_size
         for name in self._candidates(model) if group else []:
             k = model.get_submodule(name).in_features
@@ -161,9 +145,6 @@ class Fp8Pass(Pass):
         report = PassReport(self.name)
         candidates = self._candidates(model)
         excluded = [n for n in linear_modules(model) if n not in set(candidates)]
-        smoothed = []
-        if o.smoothquant_alpha is not None and candidates:
-            smoothed = smooth_model(model, self._channel_amax(model, context, candidates), o.smoothquant_alpha)
         stats = self._calibrate(model, context, candidates)
         for name in track(candidates, "fp8: quantizing layers"):
             report.layers.append(self._convert(model, name, stats.get(name)))
@@ -171,8 +152,6 @@ class Fp8Pass(Pass):
         errors = [r["rel_error"] for r in report.layers if "rel_error" in r]
         report.metrics = {"converted": len(candidates) - len(kept), "fallback": len(kept),
                           "weight_dtype": o.weight_dtype, "activations": o.activation_scheme}
-        if o.smoothquant_alpha is not None:
-            report.metrics["smoothed_groups"] = len(smoothed)
         if errors:
             report.metrics |= {"mean_rel_error": sum(errors) / len(errors), "max_rel_error": max(errors)}
         if kept:
@@ -191,32 +170,6 @@ class Fp8Pass(Pass):
         o = self.options
         return o.kv_cache_dtype != "none" or bool(candidates) and (
             o.activation_scheme == "static" or o.max_layer_error is not None or o.weight_rounding == "gptq")
-
-    @torch.inference_mode()
-    def _channel_amax(self, model: Transformer, context: PassContext, candidates: list[str]) -> dict[str, torch.Tensor]:
-        """name -> abs-max of each input channel over the calibration tokens."""
-        amax: dict[str, torch.Tensor] = {}
-
-        def hook(name):
-            def record(_module, args):
-                x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(0).float()
-                amax[name] = torch.maximum(amax[name], x) if name in amax else x
-            return record
-
-        handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in candidates]
-        try:
-            self._run_windows(model, context, "fp8: smoothing")
-        finally:
-            for h in handles:
-                h.remove()
-        return amax
-
-    def _run_windows(self, model: Transformer, context: PassContext, label: str) -> None:
-        windows = context.calibration_windows(self.options.calibration_samples)
-        device = next(model.parameters()).device
-        batches = windows.split(4)
-        for batch in track(batches, label, total=len(batches)):
-            model(batch.to(device))
 
     @torch.inference_mode()
     def _calibrate(self, model: Transformer, context: PassContext, candidates: list[str]) -> dict:
@@ -252,7 +205,10 @@ class Fp8Pass(Pass):
         for layer, obs in zip(model.layers, observers):
             layer.self_attn.kv_quant = obs
         try:
-            self._run_windows(model, context, "fp8: calibrating")
+            device = next(model.parameters()).device
+            batches = windows.split(4)
+            for batch in track(batches, "fp8: calibrating", total=len(batches)):
+                model(batch.to(device))
         finally:
             for h in handles:
                 h.remove()
