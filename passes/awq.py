@@ -39,8 +39,7 @@ from compiler.int4 import Int4Linear
 from compiler.pipeline import Pass, PassContext, PassReport, register_pass
 from compiler.progress import track
 from compiler.targets import get_target
-from passes.awq_plan import (NO_CLIP, SCALING_GROUPS, AWQOptions, LayerPlan, ScalingGroup, consumer_columns_to_channels,
-                             fold_scales, plan_layers, smaller_groups)
+from passes.awq_plan import NO_CLIP, SCALING_GROUPS, AWQOptions, LayerPlan, ScalingGroup, plan_layers, smaller_groups
 from passes.awq_search import InputStats, quant_error, rank_scales, relative_error, search_clip, weight_mean
 from passes.gptq import gptq_int4
 
@@ -156,7 +155,7 @@ class BlockQuantizer:
             if found is None:
                 continue
             s, s_cols, alpha = found
-            fold_scales(self.block, group, s, s_cols)
+            self._fold(group, s, s_cols)
             for name in group.linears:
                 hessians[name] = hessians[name] / torch.outer(s_cols, s_cols)
                 if name in rows:
@@ -198,8 +197,16 @@ class BlockQuantizer:
 
     def _expand(self, group: ScalingGroup) -> torch.Tensor | None:
         """Map from consumer input columns to ``prev``'s output channels (GQA: v → o), or None."""
+        prev = self.block.get_submodule(group.prev)
         k = self.block.get_submodule(group.linears[0]).in_features
-        return consumer_columns_to_channels(self.config, self.block.get_submodule(group.prev), k)
+        c = prev.weight.shape[0]
+        if c == k:
+            return None
+        hd, n_rep = self.config.head_dim, self.config.n_heads // self.config.n_kv_heads
+        if c * n_rep != k or not isinstance(prev, torch.nn.Linear):
+            raise ValueError(f"{self.prefix}{group.prev} ({c} outputs) cannot feed {group.linears[0]} ({k} inputs)")
+        col = torch.arange(k)
+        return (col // hd // n_rep) * hd + col % hd  # q head h reads kv head h // n_rep
 
     def _search(self, group: ScalingGroup, st: InputStats, h: torch.Tensor):
         converted = [n for n in group.linears if self.prefix + n in self.plans]
@@ -221,6 +228,19 @@ class BlockQuantizer:
                             key=lambda r: r[0])
         _, alpha, s = ranked[0]
         return s, to_columns(s), alpha
+
+    def _fold(self, group: ScalingGroup, s: torch.Tensor, s_cols: torch.Tensor) -> None:
+        """x' = x / s at ``prev``'s output, W' = W * s on the consumers' columns."""
+        prev = self.block.get_submodule(group.prev)
+        if isinstance(prev, torch.nn.Linear):
+            prev.weight.div_(s.to(prev.weight.dtype)[:, None])
+            if prev.bias is not None:
+                prev.bias.div_(s.to(prev.bias.dtype))
+        else:  # RMSNorm: y = weight * normalised(x)
+            prev.weight.div_(s.to(prev.weight.dtype))
+        for name in group.linears:
+            lin = self.block.get_submodule(name)
+            lin.weight.mul_(s_cols.to(lin.weight.dtype)[None, :])
 
     def _quantize(self, name: str, h: torch.Tensor) -> dict:
         """Clip-search and quantize one (already scaled) linear; retry smaller groups if too lossy."""

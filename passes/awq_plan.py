@@ -99,33 +99,6 @@ LLAMA_GROUPS = (
 )
 SCALING_GROUPS = {"LlamaForCausalLM": LLAMA_GROUPS, "MistralForCausalLM": LLAMA_GROUPS, "Qwen2ForCausalLM": LLAMA_GROUPS}
 
-def consumer_columns_to_channels(config: ModelConfig, prev: torch.nn.Module, in_features: int) -> torch.Tensor | None:
-    """For each consumer input column, the ``prev`` output channel it reads (GQA: o_proj's columns
-    read v_proj's channels n_heads/n_kv_heads times over), or None where they are the same."""
-    channels = prev.weight.shape[0]
-    if channels == in_features:
-        return None
-    hd, n_rep = config.head_dim, config.n_heads // config.n_kv_heads
-    if channels * n_rep != in_features or not isinstance(prev, torch.nn.Linear):
-        raise ValueError(f"a module of {channels} outputs cannot feed a layer of {in_features} inputs")
-    col = torch.arange(in_features)
-    return (col // hd // n_rep) * hd + col % hd  # q head h reads kv head h // n_rep
-
-
-def fold_scales(block: torch.nn.Module, group: ScalingGroup, s: torch.Tensor, s_cols: torch.Tensor) -> None:
-    """x' = x / s at ``prev``'s output (s per channel), W' = W * s_cols on the consumers' columns."""
-    prev = block.get_submodule(group.prev)
-    if isinstance(prev, torch.nn.Linear):
-        prev.weight.div_(s.to(prev.weight.dtype)[:, None])
-        if prev.bias is not None:
-            prev.bias.div_(s.to(prev.bias.dtype))
-    else:  # RMSNorm: y = weight * normalised(x)
-        prev.weight.div_(s.to(prev.weight.dtype))
-    for name in group.linears:
-        lin = block.get_submodule(name)
-        lin.weight.mul_(s_cols.to(lin.weight.dtype)[None, :])
-
-
 # Attention logits are a product of q and k: clipping them by their own output error misleads
 # (llm-awq skips them too).
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")

@@ -21,7 +21,7 @@ from compiler.int4 import (choose_qparams, dequantize, fake_quantize, pack_int4,
 from compiler.pipeline import Pipeline, PipelineConfig
 from compiler.targets import TARGETS, TargetSpec, register_target
 from passes.awq import AWQPass, BlockQuantizer
-from passes.awq_plan import SCALING_GROUPS, AWQOptions, fold_scales, plan_layers
+from passes.awq_plan import SCALING_GROUPS, AWQOptions, plan_layers
 from passes.awq_search import candidate_scales, fast_fake_quantize, weight_mean
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +100,7 @@ def test_scale_folding_leaves_float_model_unchanged(tiny_checkpoint_with_tokeniz
                 expand = worker._expand(group)
                 c = worker.block.get_submodule(group.prev).weight.shape[0]
                 s = torch.rand(c, generator=gen) * 4 + 0.25
-                fold_scales(worker.block, group, s, s if expand is None else s[expand])
+                worker._fold(group, s, s if expand is None else s[expand])
         after = model(ids)
     rel = float((after - before).norm() / before.norm())
     print(f"folding: relative logit change {rel:.2e}; searched alphas {sorted(set(alphas))}")
