@@ -29,6 +29,8 @@ MODELS = ("tiny", "tiny-int4")  # float and AWQ INT4, served side by side from o
 PROMPTS = ["def f(x):", "import os", "class A:\n    pass", "x = 1", "for i in range(10):", "return None", "while True:",
            "print('hello')"]
 MAX_TOKENS = [12, 7, 16, 3, 10, 5, 14, 9]
+CONTEXT = 1024
+TOO_LONG = "a b c d " * (CONTEXT // 4)  # the byte tokenizer: twice the context
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,9 @@ def artifacts(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("triton")
     tok = make_byte_tokenizer()
-    model = make_hf_model("llama", vocab_size=len(tok), max_position_embeddings=128)
+    # A long context, so that the cancelled stream below cannot finish before its cancellation arrives
+    # even on a loaded machine (the tiny model generates hundreds of tokens a second).
+    model = make_hf_model("llama", vocab_size=len(tok), max_position_embeddings=CONTEXT)
     model.save_pretrained(root / "ckpt")
     tok.save_pretrained(root / "ckpt")
     int4 = PipelineConfig.from_dict({"calibration": {"samples": 4, "seq_len": 64}, "target": {"name": "triton"},
@@ -179,7 +183,7 @@ BAD_HTTP = {
     "max_tokens not an int": {"text_input": "x", "max_tokens": "four"},
     "max_tokens beyond the limit": {"text_input": "x", "max_tokens": 100_000},
     "max_tokens zero": {"text_input": "x", "max_tokens": 0},
-    "prompt longer than the model": {"text_input": "a b c d " * 100, "max_tokens": 4},
+    "prompt longer than the model": {"text_input": TOO_LONG, "max_tokens": 4},
     "token id outside the vocabulary": {"input_ids": [1, 99_999], "max_tokens": 4},
     "both text and ids": {"text_input": "x", "input_ids": [1, 2], "max_tokens": 4},
     "temperature negative": {"text_input": "x", "max_tokens": 4, "temperature": -1.0},
@@ -228,7 +232,7 @@ def test_bad_grpc_requests_get_errors_and_server_keeps_serving(server, expected)
                            if e is not None or r is not None][:1]
                 assert results and results[0][1] is not None, why
             with pytest.raises(TritonRequestError, match="exceeds"):
-                await _collect(adapter, "a b c d " * 100, 4)
+                await _collect(adapter, TOO_LONG, 4)
             return await _collect(adapter, PROMPTS[1], MAX_TOKENS[1])
         finally:
             await adapter.close()
@@ -245,7 +249,7 @@ def test_cancelled_stream_leaves_server_serving(server, expected):
     async def run():
         adapter = TritonGrpcAdapter(server["grpc"], MODEL)
         try:
-            stream = adapter.generate(PROMPTS[2], SamplingParams(max_tokens=100, ignore_eos=True))  # still running when the client leaves
+            stream = adapter.generate(PROMPTS[2], SamplingParams(max_tokens=CONTEXT - 64, ignore_eos=True))  # still running when the client leaves
             got = [await stream.__anext__(), await stream.__anext__()]
             await stream.aclose()  # cancels the gRPC call
             assert all(e.finish_reason is None for e in got)
