@@ -95,7 +95,8 @@ def run_qat(args, teacher, tokenizer) -> dict:
         label = f"AWQ INT4 g128 fallback (calibration {args.awq_samples} x {args.awq_seq_len} pydoc-pool tokens)"
     else:
         student, label = int4_student(teacher), "RTN INT4 g128 (g64 fallback)"
-    opts = _options(args, args.out / "qat", learn_qparams=args.learn_qparams, beta=args.beta)
+    opts = _options(args, args.out / "qat", learn_qparams=args.learn_qparams, beta=args.beta,
+                    block_epochs=args.block_epochs, block_sequences=args.block_sequences, block_lr=args.block_lr)
     outcome = run_distillation(teacher, student, tokenizer, opts, args.out / "qat")
     return {"student": f"{label}, lm_head float; embeddings frozen", **outcome.metrics}
 
@@ -167,6 +168,9 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", choices=("kd", "ce_only"), default=["kd", "ce_only"], help="half: which runs")
     p.add_argument("--student", choices=("awq", "rtn"), default="awq", help="qat: the INT4 student to start from")
     p.add_argument("--beta", type=float, default=DistillOptions.beta, help="qat: weight of the hidden-state MSE")
+    p.add_argument("--block-epochs", type=int, default=0, help="qat: block-wise reconstruction first (passes per block)")
+    p.add_argument("--block-sequences", type=int, default=DistillOptions.block_sequences)
+    p.add_argument("--block-lr", type=float, default=DistillOptions.block_lr)
     p.add_argument("--learn-qparams", action="store_true", help="qat: learn INT4 scales and zero points too")
     p.add_argument("--awq-samples", type=int, default=32)
     p.add_argument("--awq-seq-len", type=int, default=256)

@@ -35,10 +35,11 @@ def test_qat_from_an_int4_artifact_recovers_and_stays_int4(teacher_dir, tmp_path
     int4 = tmp_path / "int4"
     save_artifact(int4, int4_copy(loaded.model), loaded.tokenizer, loaded.source, {"passes": [{"name": "rtn-test"}]}, [])
     r = qcompile("distill", "--teacher", teacher_dir, "--student", int4, "--steps", 12, "--lr", "1e-3", *FAST,
-                 "-o", tmp_path / "out", "--json")
+                 "--block-epochs", 1, "--block-sequences", 8, "-o", tmp_path / "out", "--json")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["qat_layers"] == 14
+    assert len(result["block_mse_after"]) == 2  # block-wise reconstruction ran first
     assert result["kl_after"] < result["kl_before"]
     student = load_artifact(tmp_path / "out" / "student")
     assert sum(isinstance(m, Int4Linear) for m in student.model.modules()) == 14

@@ -218,6 +218,8 @@ def test_loader_order_is_seeded_and_resumable():
     (dict(layer_map=[[0]]), "layer_map"),
     (dict(min_lr_ratio=2.0), "min_lr_ratio"),
     (dict(hidden_norm="layer"), "hidden_norm.*rms.*none"),
+    (dict(block_epochs=-1), "block_epochs must be >= 0"),
+    (dict(block_lr=0.0), "block_lr must be > 0"),
 ])
 def test_bad_options(bad, match):
     from compiler.options import parse_options

@@ -36,7 +36,8 @@ def load_teacher(spec: str):
 class DistillPass(Pass):
     """Distill a teacher into the pipeline's model (QAT for INT4 models, or a layer-dropped student).
 
-    Phases: held-out KL/top-1 before; training (see ``passes.distill.trainer``); re-packing of the
+    Phases: held-out KL/top-1 before; with ``block_epochs``, block-wise reconstruction
+    (``passes.distill.blockwise``); training (see ``passes.distill.trainer``); re-packing of the
     fake-quantized layers; held-out KL/top-1 after. The figures land in the pass report.
     """
 
@@ -51,6 +52,9 @@ class DistillPass(Pass):
                                      "(to start from another checkpoint, use 'qcompile distill --student')")
         if s:
             parse_keep_layers(s, config.n_layers)
+        if s and self.options.block_epochs:
+            raise DistillConfigError("block_epochs needs a student as deep as the teacher, and keep_layers drops "
+                                     "layers; set block_epochs = 0 for this student")
 
     def run(self, model: torch.nn.Module, context: PassContext) -> PassReport:
         o = self.options

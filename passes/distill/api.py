@@ -1,4 +1,5 @@
-"""``run_distillation``: held-out comparison, training, re-packing and the comparison again.
+"""``run_distillation``: held-out comparison, block-wise reconstruction (when asked), training,
+re-packing and the comparison again.
 
 Used by the ``distill`` pass and by ``qcompile distill``; returns the figures both report.
 """
@@ -11,8 +12,10 @@ from typing import Callable
 import torch
 
 from compiler.model import Transformer
+from passes.distill.blockwise import check_blockwise, reconstruct_blocks
+from passes.distill.checkpoint import list_checkpoints
 from passes.distill.config import DistillOptions
-from passes.distill.data import corpus_tokens, heldout_windows, pack_sequences
+from passes.distill.data import PackedLoader, corpus_tokens, heldout_windows, pack_sequences
 from passes.distill.evaluate import compare_on_windows, teacher_logits
 from passes.distill.students import make_qat_student, repack_int4
 from passes.distill.trainer import Distiller, TrainResult, set_gradient_checkpointing, unshard_student
@@ -43,11 +46,19 @@ def run_distillation(teacher: Transformer, student: Transformer, tokenizer, opti
                      output_dir: Path | None = None, resume: bool = False,
                      on_step: Callable[[int, dict], None] | None = None) -> DistillOutcome:
     """Distill ``teacher`` into ``student`` (modified in place; INT4 students come back re-packed as INT4)."""
+    if options.block_epochs:
+        check_blockwise(teacher, student)
     sets = heldout_sets(tokenizer, options)
     reference = {name: teacher_logits(teacher, w) for name, w in sets.items()}
     before = {name: compare_on_windows(teacher, student, w, reference=reference[name]) for name, w in sets.items()}
     qat_layers = make_qat_student(student, options.learn_qparams)
     sequences = pack_sequences(corpus_tokens(tokenizer, options.corpus).pool, options.seq_len)
+    resuming = resume and output_dir is not None and list_checkpoints(Path(output_dir) / "checkpoints")
+    blocks = {}
+    if options.block_epochs and not resuming:  # a checkpoint already holds the reconstructed blocks
+        first = PackedLoader(sequences, options.seed).next_batch(min(options.block_sequences, len(sequences)))
+        blocks = reconstruct_blocks(teacher, student, first, options.block_epochs, options.block_lr,
+                                    options.batch_size, options.max_grad_norm, options.seed)
     distiller = Distiller(teacher, student, sequences, options, output_dir, on_step)
     result = distiller.train(resume)
     unshard_student(distiller)
@@ -58,5 +69,5 @@ def run_distillation(teacher: Transformer, student: Transformer, tokenizer, opti
     metrics = _summary(before, after, options.corpus)
     metrics.update({"steps": result.steps, "skipped_steps": result.skipped, "tokens_trained": result.tokens,
                     "train_s": round(result.wall_s, 2), "tokens_per_s": result.tokens_per_s, "qat_layers": qat_layers,
-                    "resumed_from": result.resumed_from})
+                    "resumed_from": result.resumed_from, **blocks})
     return DistillOutcome(metrics, result, qat_layers)

@@ -44,6 +44,12 @@ class DistillOptions:
     hidden_norm: Literal["rms", "none"] = "rms"  # MSE of per-token RMS-normalized hidden states ("none": raw)
     layer_map: list[list[int]] | None = None  # [[student_layer, teacher_layer], ...]; default: proportional depth
     learn_qparams: bool = False  # QAT: learn INT4 scales and zero points too (else frozen)
+    # Block-wise reconstruction first (passes/distill/blockwise.py): each block trained alone to
+    # match the teacher's block output, ``block_epochs`` passes over ``block_sequences`` training
+    # sequences at ``block_lr``; 0 epochs: off. Needs a student as deep and wide as the teacher.
+    block_epochs: int = 0
+    block_sequences: int = 32
+    block_lr: float = 1e-3
     freeze_embeddings: bool = False
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on accelerators, fp32 on CPU
     gradient_checkpointing: bool = False
@@ -66,8 +72,11 @@ class DistillOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.seq_len < 2 or self.eval_len < 2:
             raise ValueError("seq_len and eval_len must be >= 2 (a next token is predicted)")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.lr <= 0 or self.block_lr <= 0:
+            raise ValueError(f"lr and block_lr must be > 0, got {self.lr} and {self.block_lr}")
+        if self.block_epochs < 0 or self.block_sequences < 1:
+            raise ValueError(f"block_epochs must be >= 0 and block_sequences >= 1, "
+                             f"got {self.block_epochs} and {self.block_sequences}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps is None:
