@@ -61,6 +61,7 @@ def test_distill_pass_reconstructs_blocks_before_training(tiny_checkpoint_with_t
     print({k: v for k, v in metrics.items() if k.startswith("block")})
     assert len(metrics["block_mse_before"]) == len(metrics["block_mse_after"]) == 2
     assert sum(metrics["block_mse_after"]) < sum(metrics["block_mse_before"])
+    assert 0 < metrics["kl_after_blocks"] < metrics["kl_before"]
 
 
 def test_pipeline_refuses_blocks_with_dropped_layers():

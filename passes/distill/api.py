@@ -59,6 +59,8 @@ def run_distillation(teacher: Transformer, student: Transformer, tokenizer, opti
         first = PackedLoader(sequences, options.seed).next_batch(min(options.block_sequences, len(sequences)))
         blocks = reconstruct_blocks(teacher, student, first, options.block_epochs, options.block_lr,
                                     options.batch_size, options.max_grad_norm, options.seed)
+        main = options.corpus  # what the blocks alone did, before end-to-end training changes it
+        blocks["kl_after_blocks"] = compare_on_windows(teacher, student, sets[main], reference=reference[main])["kl"]
     distiller = Distiller(teacher, student, sequences, options, output_dir, on_step)
     result = distiller.train(resume)
     unshard_student(distiller)
