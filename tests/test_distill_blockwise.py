@@ -71,3 +71,20 @@ def test_pipeline_refuses_blocks_with_dropped_layers():
     entry = {"name": "distill", "student": "keep_layers:0", "block_epochs": 1}
     with pytest.raises(ConfigError, match="block_epochs needs a student as deep as the teacher"):
         Pipeline(PipelineConfig.from_dict({"passes": [entry]})).validate(tiny_model().config)
+
+
+def test_steps_zero_runs_the_block_phase_alone(tiny_checkpoint_with_tokenizer, tmp_path):
+    import passes  # noqa: F401
+    from compiler.artifact import load_artifact
+    from compiler.compile import compile_model
+    from compiler.pipeline import PipelineConfig
+
+    path, _ = tiny_checkpoint_with_tokenizer("llama")
+    config = PipelineConfig.from_dict({"calibration": {"samples": 4, "seq_len": 64}, "passes": [
+        {"name": "awq", "group_size": 32},
+        {"name": "distill", "teacher": str(path), "steps": 0, "seq_len": 32, "eval_windows": 1, "eval_len": 64,
+         "block_epochs": 2, "block_sequences": 8}]})
+    metrics = load_artifact(compile_model(path, config, tmp_path / "art").path).manifest["passes"][1]["metrics"]
+    assert metrics["steps"] == 0 and metrics["tokens_trained"] == 0
+    # re-packed INT4 computes what the fake-quantized student did
+    assert metrics["kl_after"] == pytest.approx(metrics["kl_after_blocks"], rel=1e-3)

@@ -34,7 +34,7 @@ def distill_cmd(
     student: str = typer.Option(..., "--student", help="Student checkpoint or artifact (INT4 artifacts train as QAT), or keep_layers:0,2,4 / keep_layers:every2."),
     output: Path = typer.Option(..., "-o", "--output", help="Output folder (student/, metrics.jsonl, checkpoints/)."),
     corpus: str = typer.Option("pydoc", help="Training corpus (calib spec); its evaluation region is held out."),
-    steps: int = typer.Option(100, help="Optimizer steps."),
+    steps: int = typer.Option(100, help="Optimizer steps (0 with --block-epochs: block-wise reconstruction only)."),
     seq_len: int = typer.Option(256, help="Tokens per packed training sequence."),
     batch_size: int = typer.Option(4, help="Sequences per micro-batch, over all ranks."),
     grad_accum: int = typer.Option(1, help="Micro-batches per optimizer step."),

@@ -65,11 +65,14 @@ class DistillOptions:
     tensorboard: bool = False
 
     def __post_init__(self):
-        positive = ("steps", "seq_len", "batch_size", "grad_accum", "keep_checkpoints", "max_consecutive_skips",
+        positive = ("seq_len", "batch_size", "grad_accum", "keep_checkpoints", "max_consecutive_skips",
                     "eval_windows", "eval_len")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps < 0 or (self.steps == 0 and not self.block_epochs):
+            raise ValueError(f"steps must be >= 1 (or 0 with block_epochs > 0: block-wise reconstruction only), "
+                             f"got {self.steps}")
         if self.seq_len < 2 or self.eval_len < 2:
             raise ValueError("seq_len and eval_len must be >= 2 (a next token is predicted)")
         if self.lr <= 0 or self.block_lr <= 0:
