@@ -20,7 +20,7 @@ import torch
 from compiler.model import Transformer
 from compiler.progress import track
 from passes.distill.errors import DistillConfigError
-from passes.distill.loss import rms_normalized
+from passes.distill.loss import normalized_mse
 
 
 def check_blockwise(teacher: Transformer, student: Transformer) -> None:
@@ -32,7 +32,7 @@ def check_blockwise(teacher: Transformer, student: Transformer) -> None:
 
 
 def _hidden_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(rms_normalized(out.float()), rms_normalized(target.float()))
+    return normalized_mse(out.float(), target.float())
 
 
 class _Rope:

@@ -40,6 +40,11 @@ def rms_normalized(h: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def normalized_mse(h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """MSE of two hidden states after each token's RMS normalisation (compares directions)."""
+    return F.mse_loss(rms_normalized(h), rms_normalized(target))
+
+
 def next_token_ce(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of predicting tokens 1..T-1 from their prefixes."""
     return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
@@ -81,9 +86,7 @@ def distill_loss(weights: LossWeights, input_ids: torch.Tensor, teacher_logits: 
             if projections is not None:
                 h = projections(i, h)
             target = teacher_hidden[t].float()
-            if weights.hidden_norm == "rms":
-                h, target = rms_normalized(h), rms_normalized(target)
-            terms.append(F.mse_loss(h, target))
+            terms.append(normalized_mse(h, target) if weights.hidden_norm == "rms" else F.mse_loss(h, target))
         mse = torch.stack(terms).mean()
     ce = next_token_ce(student_logits, input_ids) if weights.gamma else zero
     loss = weights.alpha * weights.temperature ** 2 * kl + weights.beta * mse + weights.gamma * ce
