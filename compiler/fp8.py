@@ -12,13 +12,20 @@ The ``fp8`` format (``Fp8Linear``), buffers stored in the artifact under the mod
                   W ≈ weight.float() * weight_scale[:, None]
     input_scale   float32  [1], only with activation_scheme = "static":
                   x ≈ saturate(x / input_scale).to(activation_dtype) * input_scale
-    bias          model dtype [out_features], when the layer has one
+    input_shift   float32  [in_features], only with input_shift = true: each input channel's mean
+                  on calibration, subtracted before quantization (see below)
+    bias          model dtype [out_features], when the layer has one or input_shift is set
 
 ``activation_scheme`` is ``dynamic`` (one scale per token, computed at run time from the
 token's absolute maximum; with ``activation_group_size`` G > 0, one per G consecutive input
 channels of a token, as DeepSeek-V3's 1×128 tiles, so a token's outlier channels no longer push
 its other channels towards FP8's subnormals), ``static`` (the calibrated ``input_scale``) or
 ``none`` (weight-only: the weight is dequantized and multiplied in the model dtype).
+
+With ``input_shift`` (Outlier Suppression+'s channel shift, Wei et al. 2023) the layer computes
+``Ŵ·(x − μ) + b'`` with ``b' = b + W·μ`` from the float weight: FP8's rounding error is relative
+to each value, so it is spent on ``x − μ`` instead of ``x``, and SmolLM2's outlier channels,
+which sit far from zero with the same sign on most tokens, lose most of their error.
 """
 from __future__ import annotations
 
@@ -98,7 +105,7 @@ class Fp8Linear(QuantizedLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  weight_dtype: str = "float8_e4m3fn", granularity: str = "per_channel",
                  activation_dtype: str = "float8_e4m3fn", activation_scheme: str = "dynamic",
-                 activation_group_size: int = 0):
+                 activation_group_size: int = 0, input_shift: bool = False):
         super().__init__()
         if activation_group_size and (activation_scheme != "dynamic" or in_features % activation_group_size):
             raise ValueError(f"activation_group_size {activation_group_size} needs dynamic activations and must "
@@ -112,6 +119,8 @@ class Fp8Linear(QuantizedLinear):
         self.register_buffer("weight_scale", torch.empty(n_scales, dtype=torch.float32))
         if activation_scheme == "static":
             self.register_buffer("input_scale", torch.empty(1, dtype=torch.float32))
+        self.register_buffer("input_shift", torch.empty(in_features, dtype=torch.float32) if input_shift else None)
+        bias = bias or input_shift  # W·μ goes into the bias
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype) if bias else None)
 
     def _apply(self, fn, recurse=True):
@@ -122,29 +131,39 @@ class Fp8Linear(QuantizedLinear):
         self.weight_scale = self.weight_scale.float()
         if self.activation_scheme == "static":
             self.input_scale = self.input_scale.float()
+        if self.input_shift is not None:
+            self.input_shift = self.input_shift.float()
         return self
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, weight_dtype: str = "float8_e4m3fn", granularity: str = "per_channel",
                     activation_dtype: str = "float8_e4m3fn", activation_scheme: str = "dynamic",
                     input_scale: float | None = None, weight: torch.Tensor | None = None,
-                    scale: torch.Tensor | None = None, activation_group_size: int = 0) -> "Fp8Linear":
+                    scale: torch.Tensor | None = None, activation_group_size: int = 0,
+                    input_shift: torch.Tensor | None = None) -> "Fp8Linear":
         """Quantize ``linear``'s weight; ``input_scale`` is required when activations are static.
         ``weight`` and ``scale`` replace the layer's weight and its abs-max scale (GPTQ rounds a
-        compensated weight on the original weight's scales)."""
+        compensated weight on the original weight's scales); ``input_shift`` [in_features] is
+        subtracted from every input, its product with the float weight added to the bias."""
         w = (linear.weight if weight is None else weight).detach()
         if activation_scheme == "static" and input_scale is None:
             raise ValueError("static activations need a calibrated input_scale")
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype,
-                weight_dtype, granularity, activation_dtype, activation_scheme, activation_group_size).to(w.device)
+                weight_dtype, granularity, activation_dtype, activation_scheme, activation_group_size,
+                input_shift is not None).to(w.device)
         wdt = fp8_dtype(weight_dtype)
         scale = weight_scale(w, wdt, granularity) if scale is None else scale.float()
         m.weight.copy_(quantize(w, scale[:, None], wdt))
         m.weight_scale.copy_(scale)
         if activation_scheme == "static":
             m.input_scale.fill_(max(float(input_scale), MIN_SCALE))
-        if linear.bias is not None:
-            m.bias.copy_(linear.bias.detach())
+        bias = None if linear.bias is None else linear.bias.detach().double()
+        if input_shift is not None:
+            m.input_shift.copy_(input_shift)
+            shifted = linear.weight.detach().double() @ input_shift.double()
+            bias = shifted if bias is None else bias + shifted
+        if bias is not None:
+            m.bias.copy_(bias)
         return m
 
     def format_meta(self) -> dict:
@@ -155,6 +174,8 @@ class Fp8Linear(QuantizedLinear):
             meta["activation_dtype"] = self.activation_dtype
         if self.activation_group_size:
             meta["activation_group_size"] = self.activation_group_size
+        if self.input_shift is not None:
+            meta["input_shift"] = True
         return meta
 
     @classmethod
@@ -162,12 +183,17 @@ class Fp8Linear(QuantizedLinear):
         try:
             return cls(in_features, out_features, bias, dtype, meta["weight_dtype"], meta["granularity"],
                        meta.get("activation_dtype", "float8_e4m3fn"), meta["activation_scheme"],
-                       meta.get("activation_group_size", 0))
+                       meta.get("activation_group_size", 0), meta.get("input_shift", False))
         except KeyError as e:
             raise ArtifactError(f"fp8 module entry lacks {e}; the manifest is corrupt, recompile the artifact") from None
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize(self.weight, self.weight_scale[:, None])
+
+    def dequantized_bias(self) -> torch.Tensor | None:
+        if self.input_shift is None:
+            return self.bias
+        return (self.bias.float() - self.dequantized_weight() @ self.input_shift).to(self.bias.dtype)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, K] -> FP8 codes [M, K] and scales [M] (dynamic), [M, K / G] (dynamic with groups of
@@ -187,6 +213,8 @@ class Fp8Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # [M, K]
+        if self.input_shift is not None:
+            x2 = (x2.float() - self.input_shift).to(x.dtype)
         if self.activation_scheme == "none":
             y = x2 @ self.dequantized_weight().to(x.dtype).t()
             y = y + self.bias if self.bias is not None else y

@@ -35,6 +35,11 @@ class QuantizedLinear(nn.Module):
         """The weight as the float matrix [out_features, in_features] it stands for."""
         raise NotImplementedError
 
+    def dequantized_bias(self) -> torch.Tensor | None:
+        """The bias that goes with ``dequantized_weight()`` in a float layer (formats that shift
+        their inputs fold the shift into it)."""
+        return getattr(self, "bias", None)
+
 
 LINEAR_FORMATS: dict[str, type[QuantizedLinear]] = {}
 

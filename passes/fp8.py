@@ -6,6 +6,7 @@
     granularity = "per_channel"         # weight scales: "per_channel" (one per output row) or "per_tensor"
     activation_scheme = "dynamic"       # "dynamic" per token, "static" per tensor, "none" (weight-only)
     activation_group_size = 0           # dynamic: one scale per token (0) or per token and G channels
+    input_shift = false                 # subtract each input channel's calibration mean (OS+)
     static_calibration = "absmax"       # static scale from the abs-max, or "percentile"
     modules_to_not_convert = ["lm_head", "embed_tokens"]
     max_layer_error = 0.1               # relative output error above which a layer stays in float
@@ -53,6 +54,9 @@ class Fp8Options:
     # Dynamic scales per token and group of this many input channels (0: per token); a multiple of
     # 16 dividing every converted layer's in_features (SmolLM2: 64 divides 576 and 1536, 128 does not).
     activation_group_size: int = 0
+    # Subtract each input channel's calibration mean before quantizing and add W·mean back as a
+    # bias (Outlier Suppression+'s shift): FP8 error is relative, so it is then spent on x − mean.
+    input_shift: bool = False
     # Static scales: "absmax" covers every calibration token; "percentile" covers that percentile
     # of the tokens' abs-maxima (the rest saturate), trading rare outliers for finer steps.
     static_calibration: Literal["absmax", "percentile"] = "absmax"
@@ -119,7 +123,8 @@ class Fp8Pass(Pass):
         o = self.options
         with torch.device("meta"):  # only the entry is wanted: allocate no buffers
             return Fp8Linear(in_features, out_features, False, torch.float32, o.weight_dtype, o.granularity,
-                             o.activation_dtype, o.activation_scheme, o.activation_group_size).format_meta()
+                             o.activation_dtype, o.activation_scheme, o.activation_group_size,
+                             o.input_shift).format_meta()
 
     def planned_formats(self, config: ModelConfig) -> dict[str, dict]:
         model = _meta_model(config)
@@ -169,16 +174,45 @@ class Fp8Pass(Pass):
     def _needs_calibration(self, candidates: list[str]) -> bool:
         o = self.options
         return o.kv_cache_dtype != "none" or bool(candidates) and (
-            o.activation_scheme == "static" or o.max_layer_error is not None or o.weight_rounding == "gptq")
+            o.activation_scheme == "static" or o.max_layer_error is not None or o.weight_rounding == "gptq"
+            or o.input_shift)
+
+    @staticmethod
+    def _run_windows(model: Transformer, windows: torch.Tensor, label: str) -> None:
+        device = next(model.parameters()).device
+        batches = windows.split(4)
+        for batch in track(batches, label, total=len(batches)):
+            model(batch.to(device))
+
+    @torch.inference_mode()
+    def _input_means(self, model: Transformer, windows: torch.Tensor, candidates: list[str]) -> dict[str, torch.Tensor]:
+        """name -> each input channel's mean over the calibration tokens [in] (float32)."""
+        sums: dict[str, torch.Tensor] = {}
+
+        def hook(name):
+            def record(_module, args):
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+                sums[name] = sums.get(name, 0) + x.sum(0, dtype=torch.float64)
+            return record
+
+        handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in candidates]
+        try:
+            self._run_windows(model, windows, "fp8: input means")
+        finally:
+            for h in handles:
+                h.remove()
+        return {n: (v / windows.numel()).float() for n, v in sums.items()}
 
     @torch.inference_mode()
     def _calibrate(self, model: Transformer, context: PassContext, candidates: list[str]) -> dict:
-        """name -> {"token_amax": [N], "rows": [R, in], "hessian": [in, in] (gptq)} per candidate;
-        "__kv__" -> observers."""
+        """name -> {"token_amax": [N], "rows": [R, in], "hessian": [in, in] (gptq), "shift": [in]
+        (input_shift)} per candidate; "__kv__" -> observers. With input_shift the abs-maxima and the
+        Hessian are those of the shifted inputs, the rows (for the fallback's error) the raw ones."""
         if not self._needs_calibration(candidates):
             return {}
         o = self.options
         windows = context.calibration_windows(o.calibration_samples)
+        shifts = self._input_means(model, windows, candidates) if o.input_shift else {}
         stride = max(1, windows.numel() // o.error_tokens)  # every stride-th token is kept for errors
         stats = {n: {"token_amax": [], "rows": []} for n in candidates}
         # GPTQ's Hessians: q/k/v (and gate/up) read one tensor, so they share one running XᵀX.
@@ -189,12 +223,12 @@ class Fp8Pass(Pass):
         def hook(name):
             def record(_module, args):
                 x = args[0].detach().reshape(-1, args[0].shape[-1])  # [B*T, in]
-                stats[name]["token_amax"].append(x.abs().amax(-1).float())
                 stats[name]["rows"].append(x[::stride].float().clone())
+                xf = x.float() - shifts[name] if shifts else x.float()
+                stats[name]["token_amax"].append(xf.abs().amax(-1))
                 if o.weight_rounding == "gptq":
                     if args[0] is not last["x"]:  # `is`, and holding it, so no id is ever reused
                         last.update(x=args[0], name=name)
-                        xf = x.float()
                         hessians[name] = hessians.get(name, 0) + xf.T @ xf
                     owner[name] = last["name"]
             return record
@@ -205,10 +239,7 @@ class Fp8Pass(Pass):
         for layer, obs in zip(model.layers, observers):
             layer.self_attn.kv_quant = obs
         try:
-            device = next(model.parameters()).device
-            batches = windows.split(4)
-            for batch in track(batches, "fp8: calibrating", total=len(batches)):
-                model(batch.to(device))
+            self._run_windows(model, windows, "fp8: calibrating")
         finally:
             for h in handles:
                 h.remove()
@@ -221,6 +252,8 @@ class Fp8Pass(Pass):
             h.div_(windows.numel())
         for n in owner:  # readers of one input share one tensor
             out[n]["hessian"] = hessians[owner[n]]
+        for n, shift in shifts.items():
+            out[n]["shift"] = shift
         out["__kv__"] = observers
         return out
 
@@ -246,7 +279,7 @@ class Fp8Pass(Pass):
         if o.weight_rounding == "gptq":
             weight, scale = self._gptq_weight(linear, stats["hessian"])
         q = Fp8Linear.from_linear(linear, o.weight_dtype, o.granularity, o.activation_dtype, o.activation_scheme,
-                                  input_scale, weight, scale, o.activation_group_size)
+                                  input_scale, weight, scale, o.activation_group_size, (stats or {}).get("shift"))
         row = {"module": name, "decision": "fp8"}
         if input_scale is not None:
             row["input_scale"] = input_scale

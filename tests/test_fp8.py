@@ -213,3 +213,27 @@ def test_fp8_linear_with_activation_groups_round_trips_its_meta():
         Fp8Linear.from_linear(lin, activation_group_size=48)
     with pytest.raises(ValueError, match="needs dynamic activations"):
         Fp8Linear.from_linear(lin, activation_scheme="static", input_scale=1.0, activation_group_size=32)
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "none"])
+def test_input_shift_spends_the_rounding_on_x_minus_mean(scheme):
+    """Inputs far from zero on a few channels (SmolLM2's outlier channels): subtracting their mean
+    before the cast, with W·mean in the bias, cuts the error; the float form (dequantized weight and
+    bias, what ONNX and msmodelslim export) computes the same function."""
+    torch.manual_seed(2)
+    lin = nn.Linear(64, 32, bias=True)
+    offset = torch.zeros(64)
+    offset[:4] = torch.tensor([40.0, -25.0, 30.0, -60.0])
+    x = torch.randn(50, 64) + offset
+    plain = Fp8Linear.from_linear(lin, activation_scheme=scheme)
+    shifted = Fp8Linear.from_linear(lin, activation_scheme=scheme, input_shift=x.mean(0))
+    ref = lin(x)
+    assert rel_error(shifted(x), ref) < 0.5 * rel_error(plain(x), ref)
+    float_form = x @ shifted.dequantized_weight().t() + shifted.dequantized_bias()
+    if scheme == "none":  # no activation rounding: the two forms agree to float error
+        assert torch.allclose(float_form, shifted(x), atol=1e-4)
+    assert shifted.format_meta()["input_shift"] is True and "input_shift" not in plain.format_meta()
+    clone = Fp8Linear.empty(shifted.format_meta(), 64, 32, False, torch.float32)
+    clone.load_state_dict(shifted.state_dict())  # the loader passes the float layer's bias=False: the shift adds it
+    assert torch.equal(clone(x), shifted(x))
+    assert clone.to(torch.bfloat16).input_shift.dtype == torch.float32

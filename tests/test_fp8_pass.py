@@ -15,7 +15,7 @@ from compiler.errors import ConfigError, PipelineValidationError
 from compiler.fp8 import Fp8Linear
 from compiler.fp8_kv import Fp8KVQuant
 from compiler.kv_cache import ContiguousKVCache
-from compiler.pipeline import PASSES, Pass, Pipeline, PipelineConfig, register_pass
+from compiler.pipeline import PASSES, Pass, PassContext, Pipeline, PipelineConfig, register_pass
 from passes.fp8 import Fp8Options, matches
 
 CALIB = {"corpus": "pydoc", "samples": 4, "seq_len": 64, "seed": 0}
@@ -240,3 +240,27 @@ def test_gptq_rounding_lowers_layer_errors(tiny, tmp_path):
     after = sum(r["rel_error"] for r in gptq.layers) / len(gptq.layers)
     print(f"mean relative layer error: nearest {before:.4f}, gptq {after:.4f}")
     assert after < 0.8 * before
+
+
+@torch.no_grad()
+def test_input_shift_subtracts_calibration_means_and_round_trips(tiny, tmp_path):
+    """Each converted layer stores its inputs' calibration mean and W·mean as its bias (the tiny
+    Llama has none of its own); the reloaded artifact gives the in-memory logits, close to float."""
+    float_model = tiny().model
+    float_logits = float_model(ids())
+    loaded = tiny()
+    config = pipeline(max_layer_error=10.0, input_shift=True)
+    result = compile_loaded(loaded, config, tmp_path / "a")
+    reloaded = load_artifact(result.path)
+    assert torch.equal(reloaded.model(ids()), loaded.model(ids()))
+    assert 0 < float((reloaded.model(ids()) - float_logits).norm() / float_logits.norm()) < 0.3
+    assert all(m["input_shift"] for m in reloaded.manifest["modules"].values())
+    # the shift is the mean of what the float layer reads on the calibration windows
+    seen = []
+    float_down = float_model.layers[1].mlp.down_proj
+    handle = float_down.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, 96)))
+    float_model(PassContext(tokenizer=loaded.tokenizer, calibration=config.calibration).calibration_windows())
+    handle.remove()
+    down = reloaded.model.layers[1].mlp.down_proj
+    assert torch.allclose(down.input_shift, torch.cat(seen).mean(0), atol=1e-5)
+    assert torch.allclose(down.bias, float_down.weight @ down.input_shift, atol=1e-5)

@@ -137,19 +137,21 @@ def test_other_quantized_formats_export_dequantized(tmp_path):
         assert rel_error(OnnxRunner(tmp_path / "onnx", threads=1).prefill(ids.numpy()), loaded.model(ids).numpy()) < 1e-4
 
 
+@pytest.mark.parametrize("shift", [False, True])
 @pytest.mark.parametrize("scheme", ["none", "dynamic"])
-def test_fp8_artifact_exports_dequantized(tmp_path, scheme):
+def test_fp8_artifact_exports_dequantized(tmp_path, scheme, shift):
     from compiler.fp8 import Fp8Linear
     from compiler.qlinear import linear_modules
 
     loaded = load_artifact(make_artifact(tmp_path, "llama"))
     for name, linear in linear_modules(loaded.model).items():
         if name != "lm_head":
-            loaded.model.set_submodule(name, Fp8Linear.from_linear(linear, activation_scheme=scheme))
+            mean = torch.randn(linear.in_features, generator=torch.Generator().manual_seed(1)) if shift else None
+            loaded.model.set_submodule(name, Fp8Linear.from_linear(linear, activation_scheme=scheme, input_shift=mean))
     info = export_onnx(loaded, tmp_path / "onnx", OnnxExportOptions(max_len=MAX_LEN))
     assert all(how.startswith("MatMul on the dequantized fp8 weight") for how in info.layers.values())
     assert all(("activation quantization is not exported" in how) == (scheme != "none") for how in info.layers.values())
-    if scheme == "none":  # weight-only FP8 is exactly what the graph computes
+    if scheme == "none":  # weight-only FP8 is exactly what the graph computes (a shift folded into the bias)
         ids = torch.randint(0, loaded.model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             ref = loaded.model(ids).numpy()

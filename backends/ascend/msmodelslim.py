@@ -69,8 +69,9 @@ def export_w4a16(model: Transformer, directory: Path) -> dict:
         else:
             tensors[f"{prefix}.weight"] = module.dequantized_weight().detach().contiguous()
             description[f"{prefix}.weight"] = "FLOAT"
-        if getattr(module, "bias", None) is not None:
-            tensors[f"{prefix}.bias"] = module.bias.detach().contiguous()
+        bias = module.dequantized_bias()
+        if bias is not None:
+            tensors[f"{prefix}.bias"] = bias.detach().contiguous()
             description[f"{prefix}.bias"] = "FLOAT"
     skip = tuple(f"{n}." for n in quantized)
     seen = set()

@@ -101,8 +101,9 @@ def linear(b: GraphBuilder, x: str, module: nn.Module, name: str, dequantize: bo
     else:
         w = module.dequantized_weight() if isinstance(module, QuantizedLinear) else module.weight
         y = b.op("MatMul", [x, b.fweight(f"{name}.weight_t", w.t())], name)
-    if getattr(module, "bias", None) is not None:
-        y = b.op("Add", [y, b.fweight(f"{name}.bias", module.bias)], name)
+    bias = module.dequantized_bias() if isinstance(module, QuantizedLinear) else module.bias
+    if bias is not None:
+        y = b.op("Add", [y, b.fweight(f"{name}.bias", bias)], name)
     return y
 
 
