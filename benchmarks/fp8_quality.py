@@ -37,8 +37,9 @@ VARIANTS = {  # the issue's four figures first, then the other options
     "w8a8-dynamic": {},
     "w8a8-dynamic-group64": {"activation_group_size": 64},  # per token and 64 channels (64 divides 576, 1536)
     "w8a8-static-absmax": {"activation_scheme": "static"},
-    "w8a8-dynamic-shift": {"input_shift": True},  # each input channel's calibration mean subtracted (OS+)
-    "w8a8-static-shift": {"activation_scheme": "static", "input_shift": True},
+    # without the default input_shift (each input channel's calibration mean subtracted, OS+)
+    "w8a8-dynamic-noshift": {"input_shift": False},
+    "w8a8-static-noshift": {"activation_scheme": "static", "input_shift": False},
     "kv-e4m3-per-head": {"convert_linears": False, "kv_cache_dtype": "float8_e4m3fn"},
     "e5m2-w8a8-dynamic": E5M2,
     "w8a8-static-pct99.9": {"activation_scheme": "static", "static_calibration": "percentile"},

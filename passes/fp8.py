@@ -6,7 +6,7 @@
     granularity = "per_channel"         # weight scales: "per_channel" (one per output row) or "per_tensor"
     activation_scheme = "dynamic"       # "dynamic" per token, "static" per tensor, "none" (weight-only)
     activation_group_size = 0           # dynamic: one scale per token (0) or per token and G channels
-    input_shift = false                 # subtract each input channel's calibration mean (OS+)
+    input_shift = true                  # subtract each input channel's calibration mean (OS+)
     static_calibration = "absmax"       # static scale from the abs-max, or "percentile"
     modules_to_not_convert = ["lm_head", "embed_tokens"]
     max_layer_error = 0.1               # relative output error above which a layer stays in float
@@ -56,7 +56,8 @@ class Fp8Options:
     activation_group_size: int = 0
     # Subtract each input channel's calibration mean before quantizing and add W·mean back as a
     # bias (Outlier Suppression+'s shift): FP8 error is relative, so it is then spent on x − mean.
-    input_shift: bool = False
+    # On SmolLM2 it cuts the KL to float by 19% (dynamic) and 30% (static); see docs/BENCHMARKS.md.
+    input_shift: bool = True
     # Static scales: "absmax" covers every calibration token; "percentile" covers that percentile
     # of the tokens' abs-maxima (the rest saturate), trading rare outliers for finer steps.
     static_calibration: Literal["absmax", "percentile"] = "absmax"
@@ -212,7 +213,7 @@ class Fp8Pass(Pass):
             return {}
         o = self.options
         windows = context.calibration_windows(o.calibration_samples)
-        shifts = self._input_means(model, windows, candidates) if o.input_shift else {}
+        shifts = self._input_means(model, windows, candidates) if o.input_shift and candidates else {}
         stride = max(1, windows.numel() // o.error_tokens)  # every stride-th token is kept for errors
         stats = {n: {"token_amax": [], "rows": []} for n in candidates}
         # GPTQ's Hessians: q/k/v (and gate/up) read one tensor, so they share one running XᵀX.

@@ -63,11 +63,16 @@ def test_artifact_round_trip_gives_same_logits(tiny, tmp_path, options, bound):
 
 
 def test_inspect_shows_fp8_layers_at_a_quarter_of_float32(tiny, tmp_path):
-    result = compile_loaded(tiny(), pipeline(max_layer_error=None), tmp_path / "a")
+    result = compile_loaded(tiny(), pipeline(max_layer_error=None, input_shift=False), tmp_path / "a")
     layers = {r["module"]: r for r in artifact_summary(result.path)["layers"]}
     q = layers["layers.0.mlp.down_proj"]
     assert q["format"] == "fp8" and 8.0 <= q["bits_per_weight"] < 8.5  # 8-bit codes + per-channel scales
     assert layers["lm_head"]["bits_per_weight"] == 32
+    # the default input_shift adds a float32 shift per input and a float32 bias per output
+    shifted = compile_loaded(tiny(), pipeline(max_layer_error=None), tmp_path / "b")
+    q = {r["module"]: r for r in artifact_summary(shifted.path)["layers"]}["layers.0.mlp.down_proj"]
+    n, k = 64, 96
+    assert q["bits_per_weight"] == pytest.approx((8 * n * k + 32 * n + 32 * n + 32 * k) / (n * k), abs=0.01)
 
 
 def test_fallback_keeps_layers_above_max_layer_error(tiny, tmp_path):
@@ -130,7 +135,8 @@ def test_planned_formats_respect_patterns(tiny):
                                                                  "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
     assert formats["layers.1.mlp.up_proj"] == {"format": "fp8", "in_features": 64, "out_features": 96,
                                                "weight_dtype": "float8_e4m3fn", "granularity": "per_channel",
-                                               "activation_scheme": "dynamic", "activation_dtype": "float8_e4m3fn"}
+                                               "activation_scheme": "dynamic", "activation_dtype": "float8_e4m3fn",
+                                               "input_shift": True}
 
 
 @dataclasses.dataclass
