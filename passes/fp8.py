@@ -15,7 +15,9 @@
 
 Phases: (1) run the calibration windows through the model in its dtype, hooks recording for
 each candidate Linear the abs-max of every input token, a sample of input rows and (GPTQ) the
-Gram matrix XᵀX of its inputs, and for each attention layer the per-head K/V abs-max;
+Gram matrix XᵀX of its inputs, and for each attention layer the per-head K/V abs-max (with
+``input_shift``, a pass before it records each input channel's mean, and the abs-maxima and XᵀX
+are then of the inputs less that mean);
 (2) quantize each candidate (GPTQ: each weight column in turn, its rounding error pushed onto
 the columns not yet rounded; weight scales stay the abs-max ones), measure its relative
 output error on the sampled rows and keep it in float if that exceeds ``max_layer_error`` (a
