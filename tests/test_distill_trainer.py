@@ -8,7 +8,7 @@ import torch
 from compiler.errors import CheckpointError, ConfigError
 from passes.distill.checkpoint import list_checkpoints, load_checkpoint_dir
 from passes.distill.config import DistillOptions
-from passes.distill.data import PackedLoader, pack_sequences
+from passes.distill.data import PackedLoader, pack_sequences, teacher_sequences
 from passes.distill.errors import TrainingDivergedError
 from passes.distill.students import make_qat_student
 from passes.distill.trainer import Distiller, WarmupCosine
@@ -209,6 +209,19 @@ def test_loader_order_is_seeded_and_resumable():
     assert sorted(torch.cat(first[:4])[:10, 0].tolist()) == list(range(0, 100, 10))  # an epoch is a permutation
 
 
+def test_teacher_sequences_continue_pool_prompts_with_the_teachers_text():
+    teacher = tiny_model()
+    pool = torch.arange(64).repeat(4)
+    a = teacher_sequences(teacher, pool, 6, 24, seed=0, prompt_len=4, batch_size=4)
+    assert a.shape == (6, 24) and torch.equal(a, teacher_sequences(teacher, pool, 6, 24, seed=0, prompt_len=4, batch_size=4))
+    assert all(torch.equal(row[:4], pool[int(row[0]):int(row[0]) + 4]) for row in a)  # prompts cut from the pool
+    with torch.no_grad():  # a sharp teacher's samples are likely under its cache-less forward
+        teacher.lm_head.weight.mul_(100)
+        sharp = teacher_sequences(teacher, pool, 6, 24, seed=0, prompt_len=4)
+        probs = torch.softmax(teacher(sharp)[:, 3:-1], -1).gather(-1, sharp[:, 4:, None])
+    assert probs.min() > 0.01 and probs.mean() > 0.9
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(steps=0), "steps must be >= 1"),
     (dict(lr=0.0), "lr must be > 0"),
@@ -220,6 +233,7 @@ def test_loader_order_is_seeded_and_resumable():
     (dict(hidden_norm="layer"), "hidden_norm.*rms.*none"),
     (dict(block_epochs=-1), "block_epochs must be >= 0"),
     (dict(block_lr=0.0), "block_lr must be > 0"),
+    (dict(generated_sequences=-1), "generated_sequences must be >= 0"),
 ])
 def test_bad_options(bad, match):
     from compiler.options import parse_options

@@ -15,7 +15,7 @@ from compiler.model import Transformer
 from passes.distill.blockwise import check_blockwise, reconstruct_blocks
 from passes.distill.checkpoint import list_checkpoints
 from passes.distill.config import DistillOptions
-from passes.distill.data import PackedLoader, corpus_tokens, heldout_windows, pack_sequences
+from passes.distill.data import PackedLoader, corpus_tokens, heldout_windows, pack_sequences, teacher_sequences
 from passes.distill.evaluate import compare_on_windows, teacher_logits
 from passes.distill.students import make_qat_student, repack_int4
 from passes.distill.trainer import Distiller, TrainResult, set_gradient_checkpointing, unshard_student
@@ -52,7 +52,11 @@ def run_distillation(teacher: Transformer, student: Transformer, tokenizer, opti
     reference = {name: teacher_logits(teacher, w) for name, w in sets.items()}
     before = {name: compare_on_windows(teacher, student, w, reference=reference[name]) for name, w in sets.items()}
     qat_layers = make_qat_student(student, options.learn_qparams)
-    sequences = pack_sequences(corpus_tokens(tokenizer, options.corpus).pool, options.seq_len)
+    pool = corpus_tokens(tokenizer, options.corpus).pool
+    sequences = pack_sequences(pool, options.seq_len)
+    if options.generated_sequences:
+        written = teacher_sequences(teacher, pool, options.generated_sequences, options.seq_len, options.seed)
+        sequences = torch.cat([sequences, written])
     resuming = resume and output_dir is not None and list_checkpoints(Path(output_dir) / "checkpoints")
     blocks = {}
     if options.block_epochs and not resuming:  # a checkpoint already holds the reconstructed blocks

@@ -28,6 +28,9 @@ class DistillOptions:
     teacher: str = ""
     student: str = ""
     corpus: str = "pydoc"
+    # Sequences the teacher writes (sampled from 16-token prompts cut out of the pool), added to the
+    # training sequences when the pool is too small (LLM-QAT's data); 0: the pool only.
+    generated_sequences: int = 0
     steps: int = 100
     seq_len: int = 256
     batch_size: int = 4  # sequences per micro-batch over all ranks (each rank reads batch_size / world_size)
@@ -77,6 +80,8 @@ class DistillOptions:
             raise ValueError("seq_len and eval_len must be >= 2 (a next token is predicted)")
         if self.lr <= 0 or self.block_lr <= 0:
             raise ValueError(f"lr and block_lr must be > 0, got {self.lr} and {self.block_lr}")
+        if self.generated_sequences < 0:
+            raise ValueError(f"generated_sequences must be >= 0, got {self.generated_sequences}")
         if self.block_epochs < 0 or self.block_sequences < 1:
             raise ValueError(f"block_epochs must be >= 0 and block_sequences >= 1, "
                              f"got {self.block_epochs} and {self.block_sequences}")

@@ -2,6 +2,8 @@
 
 The corpus is tokenized once and split by the calib protocol: training packs only the pool (the
 first 70% of the tokens); the evaluation region (the last 30%) is held out and never trained on.
+``teacher_sequences`` adds text the teacher writes itself (LLM-QAT's data-free recipe, Liu et al.
+2023) from short prompts cut out of the pool, for when the pool is too small.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import torch
 
 from calib import evaluation_windows, load_corpus_text, split_tokens
 from calib.corpus import CorpusError
+from compiler.kv_cache import ContiguousKVCache
+from compiler.progress import track
 from passes.distill.errors import DistillConfigError
 
 
@@ -76,3 +80,34 @@ def heldout_windows(tokenizer, corpus: str, windows: int, eval_len: int) -> torc
         return evaluation_windows(corpus_tokens(tokenizer, corpus).evaluation, windows, eval_len)
     except ValueError as e:
         raise DistillConfigError(f"held-out {corpus!r}: {e}") from None
+
+
+@torch.no_grad()
+def teacher_sequences(teacher, pool: torch.Tensor, n: int, seq_len: int, seed: int, prompt_len: int = 16,
+                      batch_size: int = 32) -> torch.Tensor:
+    """``n`` sequences of ``seq_len`` tokens -> [n, seq_len]: each a ``prompt_len``-token prompt from a
+    seeded random place in ``pool``, then the teacher's continuation sampled at temperature 1."""
+    if len(pool) < prompt_len + 1:
+        raise DistillConfigError(f"the training pool holds {len(pool)} tokens, too few to cut prompts from")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(pool) - prompt_len, (n,), generator=gen)
+    prompts = pool[starts[:, None] + torch.arange(prompt_len)]
+    batches = prompts.split(batch_size)
+    out = [_sample(teacher, b, seq_len, gen) for b in track(batches, "distill: teacher writes sequences", total=len(batches))]
+    return torch.cat(out) if out else prompts.new_empty(0, seq_len)
+
+
+def _sample(model, prompts: torch.Tensor, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+    c, device = model.config, next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    B, T = prompts.shape
+    cache = ContiguousKVCache(c.n_layers, B, seq_len, c.n_kv_heads, c.head_dim, dtype, device, c.sliding_window)
+    ids = prompts.to(device)
+    logits = model(ids, torch.arange(T, device=device).expand(B, T), cache)[:, -1]
+    for pos in range(T, seq_len):
+        probs = torch.softmax(logits.float(), -1).cpu()
+        nxt = torch.multinomial(probs, 1, generator=gen).to(device)
+        ids = torch.cat([ids, nxt], 1)
+        if pos + 1 < seq_len:
+            logits = model(nxt, torch.full((B, 1), pos, device=device), cache)[:, -1]
+    return ids.cpu()
