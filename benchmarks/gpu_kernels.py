@@ -8,7 +8,8 @@ One run, in four parts, all on fresh random inputs:
    fused activation cast against torch's on the CPU, bitwise.
 2. W4A16 INT4 GEMM (``compiler.kernels.w4a16``) against dequantize-then-matmul in float32,
    including K not divisible by the group (SmolLM2's 576 at g128); the dequantize kernel bitwise.
-3. A SmolLM2-135M-shaped model (random weights) with every decoder Linear converted to FP8 or INT4:
+3. A SmolLM2-135M-shaped model (random weights) with every decoder Linear converted to FP8 (with and
+   without an input shift) or INT4:
    logits on the GPU (Triton kernels) against the same model on the CPU (torch reference paths),
    next to the CPU model's own spread when each FP8 GEMM output is perturbed by 1e-3 (FP8
    activation rounding turns tiny differences into whole-step flips, layer after layer).
@@ -168,6 +169,7 @@ def speed_fp8(device) -> list[dict]:
             lin = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
             q = Fp8Linear.from_linear(lin)
             q64 = Fp8Linear.from_linear(lin, activation_group_size=64)
+            q_shift = Fp8Linear.from_linear(lin, input_shift=torch.randn(k, device=device))
             xq, xs = quantize_per_token(x, E4M3)
             flop = 2 * tokens * k * n
             base = bench_ms(lambda: lin(x))
@@ -178,6 +180,7 @@ def speed_fp8(device) -> list[dict]:
                        lambda: triton_fp8_gemm(xq, xs, q.weight, q.weight_scale, None, torch.bfloat16))),
                    "fp8linear_ms": attempt(lambda: bench_ms(lambda: q(x))),  # cast + GEMM, as a model calls it
                    "fp8linear_group64_ms": attempt(lambda: bench_ms(lambda: q64(x))),
+                   "fp8linear_shift_ms": attempt(lambda: bench_ms(lambda: q_shift(x))),  # input_shift fused in the cast
                    "cast_torch_ms": bench_ms(lambda: quantize_per_token(x, E4M3)),
                    "cast_triton_ms": attempt(lambda: bench_ms(lambda: triton_quantize_rows(x, E4M3))),
                    "eager_bf16_ms": bench_ms(lambda: lin(x), graph=False),
@@ -229,12 +232,28 @@ def smollm2_shaped(smoke: bool) -> Transformer:
     return model
 
 
-def convert(model: Transformer, fmt: str) -> Transformer:
+def input_means(model: Transformer, ids: torch.Tensor) -> dict[nn.Module, torch.Tensor]:
+    """Each decoder Linear's input channel means on ``ids`` (what the fp8 pass's input_shift stores)."""
+    means = {}
+    linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, nn.Linear)]
+    hooks = [m.register_forward_pre_hook(lambda m, a: means.__setitem__(m, a[0].reshape(-1, a[0].shape[-1]).mean(0)))
+             for m in linears]
+    model(ids)
+    for h in hooks:
+        h.remove()
+    return means
+
+
+def convert(model: Transformer, fmt: str, means: dict | None = None) -> Transformer:
+    """Every decoder Linear as "fp8", "fp8-shift" (input_shift from ``means``) or "int4"."""
     for layer in model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    new = Fp8Linear.from_linear(child) if fmt == "fp8" else Int4Linear.from_float(child, 64)
+                    if fmt == "int4":
+                        new = Int4Linear.from_float(child, 64)
+                    else:
+                        new = Fp8Linear.from_linear(child, input_shift=means[child] if fmt == "fp8-shift" else None)
                     setattr(parent, name, new)
     return model
 
@@ -247,11 +266,12 @@ def model_check(device, smoke: bool) -> list[dict]:
     for seq in (64, 200):  # 2 x 200 tokens reach Int4Linear's dequantize + cuBLAS path
         ids = torch.randint(0, 512 if smoke else 49152, (2, seq), generator=torch.Generator().manual_seed(seq))
         float_logits = smollm2_shaped(smoke)(ids)
-        for fmt in ("fp8", "int4"):
-            cpu_model = convert(smollm2_shaped(smoke), fmt)
+        for fmt in ("fp8", "fp8-shift", "int4"):  # fp8-shift: the shift fused into the Triton cast on CUDA
+            float_model = smollm2_shaped(smoke)
+            cpu_model = convert(float_model, fmt, input_means(float_model, ids) if fmt == "fp8-shift" else None)
             ref = cpu_model(ids)  # torch reference paths (CPU, float32)
             row = {"format": fmt, "tokens": 2 * seq, "rel_vs_float": rel(ref, float_logits)}
-            if fmt == "fp8":
+            if fmt != "int4":
                 row["cpu_spread_at_1e-3"] = rel(perturbed_gemms(cpu_model, ids), ref)
             row["rel_gpu_vs_cpu"] = rel(cpu_model.to(device)(ids.to(device)), ref)
             rows.append(row)

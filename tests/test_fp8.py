@@ -155,23 +155,32 @@ def test_triton_gemm_tile_configs_match_reference(precise_acc):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, k", [(3, 50), (9, 5000)])  # 5000 > the kernel's 4096-wide chunk
-def test_triton_activation_cast_matches_torch(dtype, rows, k):
+@pytest.mark.parametrize("shifted", [False, True])
+def test_triton_activation_cast_matches_torch(dtype, rows, k, shifted):
     """Scales bitwise, and the saturated values before rounding, rounded by torch, give torch's codes
-    bitwise. (Triton's interpreter rounds float32 to FP8 in numpy, not exactly to nearest-even;
+    bitwise; with an input shift, those of ``x - shift`` (Fp8Linear's input_shift, fused into the cast).
+    (Triton's interpreter rounds float32 to FP8 in numpy, not exactly to nearest-even;
     benchmarks/gpu_kernels.py compares the codes a GPU writes with torch's bitwise.)"""
     from compiler.kernels.fp8 import triton_quantize_rows
 
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) * 3
-    x[0] = 0  # an all-zero row gets the minimum scale, not NaN
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(rows, k, generator=g) * 3
+    shift = torch.randn(k, generator=g) * 5 if shifted else None
     x[1, :7] = 1e6
+    if shifted:
+        x[0] = shift  # an all-zero row (after the shift) gets the minimum scale, not NaN
+    else:
+        x[0] = 0
+    centred = x - shift if shifted else x
     static = torch.tensor([1e-3])  # far too small: everything beyond ±max saturates
-    for scale, (q_ref, s_ref) in ((None, quantize_per_token(x, dtype)), (static, (quantize(x, static, dtype), static))):
+    for scale, (q_ref, s_ref) in ((None, quantize_per_token(centred, dtype)),
+                                  (static, (quantize(centred, static, dtype), static))):
         pre_rounding = torch.empty(rows, k)
-        _, s = triton_quantize_rows(x, dtype, scale, out=pre_rounding)
+        _, s = triton_quantize_rows(x, dtype, scale, out=pre_rounding, shift=shift)
         assert torch.equal(s, s_ref)
         assert torch.isfinite(pre_rounding).all() and pre_rounding.abs().max() <= torch.finfo(dtype).max
         assert torch.equal(pre_rounding.to(dtype).view(torch.uint8), q_ref.view(torch.uint8))
-        q, _ = triton_quantize_rows(x, dtype, scale)
+        q, _ = triton_quantize_rows(x, dtype, scale, shift=shift)
         assert q.dtype == dtype and torch.isfinite(q.float()).all()
 
 

@@ -15,7 +15,8 @@ which bounds the error growth in K at a 35–45% cost in speed (docs/BENCHMARKS.
 
 The activation cast (``triton_quantize_rows``): one program per row finds the row's absolute
 maximum (dynamic) or reads the static scale, then writes the saturated FP8 codes, in one kernel
-instead of torch's five (abs, amax, divide, clamp, cast).
+instead of torch's five (abs, amax, divide, clamp, cast). An input shift (``Fp8Linear``'s
+channel means) is subtracted as the row is read, in float32, instead of in a pass of its own.
 """
 from __future__ import annotations
 
@@ -95,14 +96,23 @@ def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, FP8_MAX: tl.constexpr,
-                          MIN_SCALE: tl.constexpr, DYNAMIC: tl.constexpr, BLOCK: tl.constexpr):
+def _load_row_chunk(x_ptr, shift_ptr, row, k0, offs, K, stride_xm, HAS_SHIFT: tl.constexpr):
+    x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+    if HAS_SHIFT:
+        x -= tl.load(shift_ptr + k0 + offs, mask=k0 + offs < K, other=0.0)
+    return x
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, shift_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, FP8_MAX: tl.constexpr,
+                          MIN_SCALE: tl.constexpr, DYNAMIC: tl.constexpr, HAS_SHIFT: tl.constexpr,
+                          BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     if DYNAMIC:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
-            x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            x = _load_row_chunk(x_ptr, shift_ptr, row, k0, offs, K, stride_xm, HAS_SHIFT)
             amax = tl.maximum(amax, tl.abs(x))
         # div_rn: IEEE division, as torch on the CPU (Triton's default fp32 division is approximate)
         scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
@@ -110,23 +120,27 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, FP8_
     else:
         scale = tl.load(scale_ptr)
     for k0 in range(0, K, BLOCK):
-        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        x = _load_row_chunk(x_ptr, shift_ptr, row, k0, offs, K, stride_xm, HAS_SHIFT)
         q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * stride_qm + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
 
 
 def triton_quantize_rows(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None,
-                         out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> FP8 codes [M, K] and scales: per row [M] when ``scale`` is None (dynamic),
-    else the given static scale [1]. Same contract as ``compiler.fp8.quantize_per_token`` / ``quantize``.
-    A float32 ``out`` receives the saturated values before their rounding to ``dtype`` (for tests:
-    Triton's interpreter does not round float32 to FP8 exactly as GPUs do)."""
+                         out: torch.Tensor | None = None, shift: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (less ``shift`` [K], in float32, when given) -> FP8 codes [M, K] and scales: per row
+    [M] when ``scale`` is None (dynamic), else the given static scale [1]. Same contract as
+    ``compiler.fp8.quantize_per_token`` / ``quantize`` of ``x.float() - shift``. A float32 ``out``
+    receives the saturated values before their rounding to ``dtype`` (for tests: Triton's
+    interpreter does not round float32 to FP8 exactly as GPUs do)."""
     x = x.contiguous()
     M, K = x.shape
     q = torch.empty(M, K, dtype=dtype, device=x.device) if out is None else out
     dynamic = scale is None
     scale = torch.empty(M, dtype=torch.float32, device=x.device) if dynamic else scale.float().contiguous()
     block = min(triton.next_power_of_2(K), 4096)
-    _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), FP8_MAX=fp8_max(dtype),
-                                MIN_SCALE=MIN_SCALE, DYNAMIC=dynamic, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    shift = None if shift is None else shift.float().contiguous()
+    _quantize_rows_kernel[(M,)](x, x if shift is None else shift, q, scale, K, x.stride(0), q.stride(0),
+                                FP8_MAX=fp8_max(dtype), MIN_SCALE=MIN_SCALE, DYNAMIC=dynamic,
+                                HAS_SHIFT=shift is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return q, scale
