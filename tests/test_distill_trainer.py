@@ -67,6 +67,9 @@ def test_resume_refuses_changed_settings(tmp_path):
     changed = DistillOptions(**{**FAST, "lr": 1e-3}, checkpoint_every=2)
     with pytest.raises(ConfigError, match="lr was 0.01"):
         Distiller(teacher, student, seqs, changed, tmp_path).train(resume=True)
+    more_data = DistillOptions(**FAST, checkpoint_every=2, generated_sequences=4)
+    with pytest.raises(ConfigError, match="generated_sequences was 0, now 4"):
+        Distiller(teacher, student, seqs, more_data, tmp_path).train(resume=True)
 
 
 def test_checkpoint_retention_keeps_the_newest(tmp_path):
@@ -213,7 +216,8 @@ def test_teacher_sequences_continue_pool_prompts_with_the_teachers_text():
     teacher = tiny_model()
     pool = torch.arange(64).repeat(4)
     a = teacher_sequences(teacher, pool, 6, 24, seed=0, prompt_len=4, batch_size=4)
-    assert a.shape == (6, 24) and torch.equal(a, teacher_sequences(teacher, pool, 6, 24, seed=0, prompt_len=4, batch_size=4))
+    again = teacher_sequences(teacher, pool, 6, 24, seed=0, prompt_len=4, batch_size=4)
+    assert a.shape == (6, 24) and torch.equal(a, again)
     assert all(torch.equal(row[:4], pool[int(row[0]):int(row[0]) + 4]) for row in a)  # prompts cut from the pool
     with torch.no_grad():  # a sharp teacher's samples are likely under its cache-less forward
         teacher.lm_head.weight.mul_(100)

@@ -208,9 +208,11 @@ class Distiller:
 
     def _check_resumable(self, meta: dict, path: Path) -> None:
         # Settings that change what the remaining steps compute must match; eval/log settings may differ.
-        same = ("corpus", "seq_len", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "steps", "alpha",
-                "beta", "gamma", "temperature", "hidden_norm", "seed", "learn_qparams", "precision")
+        same = ("corpus", "generated_sequences", "seq_len", "batch_size", "grad_accum", "lr", "min_lr_ratio",
+                "warmup_steps", "steps", "alpha", "beta", "gamma", "temperature", "hidden_norm", "seed",
+                "learn_qparams", "precision")
         old, new = meta["options"], self.options.to_dict()
+        old = {**DistillOptions().to_dict(), **old}  # a setting added since the checkpoint: its default
         changed = [k for k in same if old.get(k) != new.get(k)]
         if changed:
             raise DistillConfigError(f"cannot resume from {path}: {', '.join(f'{k} was {old.get(k)!r}, now {new.get(k)!r}' for k in changed)}; "
