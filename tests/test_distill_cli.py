@@ -35,7 +35,7 @@ def test_qat_from_an_int4_artifact_recovers_and_stays_int4(teacher_dir, tmp_path
     int4 = tmp_path / "int4"
     save_artifact(int4, int4_copy(loaded.model), loaded.tokenizer, loaded.source, {"passes": [{"name": "rtn-test"}]}, [])
     r = qcompile("distill", "--teacher", teacher_dir, "--student", int4, "--steps", 12, "--lr", "1e-3", *FAST,
-                 "--block-epochs", 1, "--block-sequences", 8, "-o", tmp_path / "out", "--json")
+                 "--block-epochs", 1, "--block-sequences", 8, "--generated-sequences", 4, "-o", tmp_path / "out", "--json")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["qat_layers"] == 14
