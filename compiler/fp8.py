@@ -195,31 +195,32 @@ class Fp8Linear(QuantizedLinear):
             return self.bias
         return (self.bias.float() - self.dequantized_weight() @ self.input_shift).to(self.bias.dtype)
 
+    def _centred(self, x: torch.Tensor) -> torch.Tensor:
+        """x less ``input_shift`` (in float32), or x itself without one."""
+        return x if self.input_shift is None else x.float() - self.input_shift
+
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, K] (less ``input_shift``, in float32) -> FP8 codes [M, K] and scales [M] (dynamic),
         [M, K / G] (dynamic with groups of G channels) or [1] (static)."""
         dtype = fp8_dtype(self.activation_dtype)
         static = self.activation_scheme == "static"
-        if x.is_cuda:  # one fused kernel (shift, scale, cast) instead of six torch ones
-            from compiler.kernels.fp8 import triton_quantize_rows
-            if not self.activation_group_size:
-                return triton_quantize_rows(x, dtype, self.input_scale if static else None, shift=self.input_shift)
-        if self.input_shift is not None:
-            x = x.float() - self.input_shift
+        per_row = quantize_per_token
+        if x.is_cuda:
+            from compiler.kernels.fp8 import triton_quantize_rows as per_row
+            if not self.activation_group_size:  # one fused kernel (shift, scale, cast) instead of six torch ones
+                return per_row(x, dtype, self.input_scale if static else None, shift=self.input_shift)
+        x = self._centred(x)
         if static:
             return quantize(x, self.input_scale, dtype), self.input_scale
         if self.activation_group_size:
-            per_row = triton_quantize_rows if x.is_cuda else quantize_per_token
             return quantize_per_token_group(x, dtype, self.activation_group_size, per_row)
-        return quantize_per_token(x, dtype)
+        return per_row(x, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         if self.activation_scheme == "none":
-            if self.input_shift is not None:
-                x2 = (x2.float() - self.input_shift).to(x.dtype)
-            y = x2 @ self.dequantized_weight().to(x.dtype).t()
+            y = self._centred(x2).to(x.dtype) @ self.dequantized_weight().to(x.dtype).t()
             y = y + self.bias if self.bias is not None else y
         else:
             xq, xs = self.quantize_input(x2)

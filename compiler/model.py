@@ -147,8 +147,10 @@ class Transformer(nn.Module):
         return (logits, hidden) if return_hidden else logits
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_ids: list[int] | None = None) -> torch.Tensor:
-        """Greedy decoding of one or more equal-length prompts with a contiguous cache (the reference path)."""
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_ids: list[int] | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Greedy decoding of one or more equal-length prompts with a contiguous cache (the reference
+        path); with a (CPU) ``generator``, sampling at temperature 1 instead."""
         c = self.config
         B, T = input_ids.shape
         p = next(self.parameters())
@@ -158,7 +160,11 @@ class Transformer(nn.Module):
         logits = self(input_ids, positions, cache)
         out = input_ids
         for step in range(max_new_tokens):
-            next_ids = logits[:, -1].argmax(-1, keepdim=True)
+            if generator is None:
+                next_ids = logits[:, -1].argmax(-1, keepdim=True)
+            else:
+                probs = torch.softmax(logits[:, -1].float(), -1).cpu()
+                next_ids = torch.multinomial(probs, 1, generator=generator).to(input_ids.device)
             out = torch.cat([out, next_ids], dim=1)
             if eos_token_ids and B == 1 and next_ids.item() in eos_token_ids:
                 break

@@ -167,10 +167,7 @@ def test_triton_activation_cast_matches_torch(dtype, rows, k, shifted):
     x = torch.randn(rows, k, generator=g) * 3
     shift = torch.randn(k, generator=g) * 5 if shifted else None
     x[1, :7] = 1e6
-    if shifted:
-        x[0] = shift  # an all-zero row (after the shift) gets the minimum scale, not NaN
-    else:
-        x[0] = 0
+    x[0] = shift if shifted else 0  # a row all zero (after any shift) gets the minimum scale, not NaN
     centred = x - shift if shifted else x
     static = torch.tensor([1e-3])  # far too small: everything beyond ±max saturates
     for scale, (q_ref, s_ref) in ((None, quantize_per_token(centred, dtype)),

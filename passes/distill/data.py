@@ -13,7 +13,6 @@ import torch
 
 from calib import evaluation_windows, load_corpus_text, split_tokens
 from calib.corpus import CorpusError
-from compiler.kv_cache import ContiguousKVCache
 from compiler.progress import track
 from passes.distill.errors import DistillConfigError
 
@@ -93,21 +92,6 @@ def teacher_sequences(teacher, pool: torch.Tensor, n: int, seq_len: int, seed: i
     starts = torch.randint(0, len(pool) - prompt_len, (n,), generator=gen)
     prompts = pool[starts[:, None] + torch.arange(prompt_len)]
     batches = prompts.split(batch_size)
-    out = [_sample(teacher, b, seq_len, gen) for b in track(batches, "distill: teacher writes sequences", total=len(batches))]
-    return torch.cat(out) if out else prompts.new_empty(0, seq_len)
-
-
-def _sample(model, prompts: torch.Tensor, seq_len: int, gen: torch.Generator) -> torch.Tensor:
-    c, device = model.config, next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    B, T = prompts.shape
-    cache = ContiguousKVCache(c.n_layers, B, seq_len, c.n_kv_heads, c.head_dim, dtype, device, c.sliding_window)
-    ids = prompts.to(device)
-    logits = model(ids, torch.arange(T, device=device).expand(B, T), cache)[:, -1]
-    for pos in range(T, seq_len):
-        probs = torch.softmax(logits.float(), -1).cpu()
-        nxt = torch.multinomial(probs, 1, generator=gen).to(device)
-        ids = torch.cat([ids, nxt], 1)
-        if pos + 1 < seq_len:
-            logits = model(nxt, torch.full((B, 1), pos, device=device), cache)[:, -1]
-    return ids.cpu()
+    device = next(teacher.parameters()).device
+    return torch.cat([teacher.generate(b.to(device), seq_len - prompt_len, generator=gen).cpu()
+                      for b in track(batches, "distill: teacher writes sequences", total=len(batches))])
