@@ -37,6 +37,9 @@ VARIANTS = {  # the issue's four figures first, then the other options
     "w8a8-dynamic": {},
     "w8a8-dynamic-group64": {"activation_group_size": 64},  # per token and 64 channels (64 divides 576, 1536)
     "w8a8-static-absmax": {"activation_scheme": "static"},
+    # the 32 input channels of largest variance per layer in the model dtype (QUIK), the rest as above
+    "w8a8-dynamic-outliers32": {"outlier_channels": 32},
+    "w8a8-static-outliers32": {"activation_scheme": "static", "outlier_channels": 32},
     # without the default input_shift (each input channel's calibration mean subtracted, OS+)
     "w8a8-dynamic-noshift": {"input_shift": False},
     "w8a8-static-noshift": {"activation_scheme": "static", "input_shift": False},

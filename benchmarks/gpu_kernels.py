@@ -9,7 +9,7 @@ One run, in four parts, all on fresh random inputs:
 2. W4A16 INT4 GEMM (``compiler.kernels.w4a16``) against dequantize-then-matmul in float32,
    including K not divisible by the group (SmolLM2's 576 at g128); the dequantize kernel bitwise.
 3. A SmolLM2-135M-shaped model (random weights) with every decoder Linear converted to FP8 (with and
-   without an input shift) or INT4:
+   without an input shift, and with 32 outlier channels in bf16 besides the shift) or INT4:
    logits on the GPU (Triton kernels) against the same model on the CPU (torch reference paths),
    next to the CPU model's own spread when each FP8 GEMM output is perturbed by 1e-3 (FP8
    activation rounding turns tiny differences into whole-step flips, layer after layer).
@@ -170,6 +170,8 @@ def speed_fp8(device) -> list[dict]:
             q = Fp8Linear.from_linear(lin)
             q64 = Fp8Linear.from_linear(lin, activation_group_size=64)
             q_shift = Fp8Linear.from_linear(lin, input_shift=torch.randn(k, device=device))
+            q_outliers = Fp8Linear.from_linear(lin, input_shift=q_shift.input_shift,
+                                               outliers=torch.randperm(k, device=device)[:32].sort().values)
             xq, xs = quantize_per_token(x, E4M3)
             flop = 2 * tokens * k * n
             base = bench_ms(lambda: lin(x))
@@ -181,6 +183,7 @@ def speed_fp8(device) -> list[dict]:
                    "fp8linear_ms": attempt(lambda: bench_ms(lambda: q(x))),  # cast + GEMM, as a model calls it
                    "fp8linear_group64_ms": attempt(lambda: bench_ms(lambda: q64(x))),
                    "fp8linear_shift_ms": attempt(lambda: bench_ms(lambda: q_shift(x))),  # input_shift fused in the cast
+                   "fp8linear_outliers32_ms": attempt(lambda: bench_ms(lambda: q_outliers(x))),  # + a bf16 side product
                    "cast_torch_ms": bench_ms(lambda: quantize_per_token(x, E4M3)),
                    "cast_triton_ms": attempt(lambda: bench_ms(lambda: triton_quantize_rows(x, E4M3))),
                    "eager_bf16_ms": bench_ms(lambda: lin(x), graph=False),
@@ -232,20 +235,26 @@ def smollm2_shaped(smoke: bool) -> Transformer:
     return model
 
 
-def input_means(model: Transformer, ids: torch.Tensor) -> dict[nn.Module, torch.Tensor]:
-    """Each decoder Linear's input channel means on ``ids`` (what the fp8 pass's input_shift stores)."""
-    means = {}
+def input_stats(model: Transformer, ids: torch.Tensor) -> dict[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """Each decoder Linear's input channel means on ``ids`` (what the fp8 pass's input_shift stores)
+    and its 32 channels of largest variance (its outlier_channels = 32)."""
+    stats = {}
+
+    def record(module, args):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        stats[module] = (x.mean(0), x.var(0).topk(32).indices.sort().values)
+
     linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, nn.Linear)]
-    hooks = [m.register_forward_pre_hook(lambda m, a: means.__setitem__(m, a[0].reshape(-1, a[0].shape[-1]).mean(0)))
-             for m in linears]
+    hooks = [m.register_forward_pre_hook(record) for m in linears]
     model(ids)
     for h in hooks:
         h.remove()
-    return means
+    return stats
 
 
-def convert(model: Transformer, fmt: str, means: dict | None = None) -> Transformer:
-    """Every decoder Linear as "fp8", "fp8-shift" (input_shift from ``means``) or "int4"."""
+def convert(model: Transformer, fmt: str, stats: dict | None = None) -> Transformer:
+    """Every decoder Linear as "fp8", "fp8-shift" (input_shift from ``stats``), "fp8-outliers" (the
+    shift and 32 outlier channels) or "int4"."""
     for layer in model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
@@ -253,7 +262,9 @@ def convert(model: Transformer, fmt: str, means: dict | None = None) -> Transfor
                     if fmt == "int4":
                         new = Int4Linear.from_float(child, 64)
                     else:
-                        new = Fp8Linear.from_linear(child, input_shift=means[child] if fmt == "fp8-shift" else None)
+                        mean, outliers = stats[child] if stats else (None, None)
+                        new = Fp8Linear.from_linear(child, input_shift=mean,
+                                                    outliers=outliers if fmt == "fp8-outliers" else None)
                     setattr(parent, name, new)
     return model
 
@@ -266,9 +277,10 @@ def model_check(device, smoke: bool) -> list[dict]:
     for seq in (64, 200):  # 2 x 200 tokens reach Int4Linear's dequantize + cuBLAS path
         ids = torch.randint(0, 512 if smoke else 49152, (2, seq), generator=torch.Generator().manual_seed(seq))
         float_logits = smollm2_shaped(smoke)(ids)
-        for fmt in ("fp8", "fp8-shift", "int4"):  # fp8-shift: the shift fused into the Triton cast on CUDA
+        # fp8-shift: the shift fused into the Triton cast on CUDA; fp8-outliers: cast in torch, a bf16 side product
+        for fmt in ("fp8", "fp8-shift", "fp8-outliers", "int4"):
             float_model = smollm2_shaped(smoke)
-            cpu_model = convert(float_model, fmt, input_means(float_model, ids) if fmt == "fp8-shift" else None)
+            cpu_model = convert(float_model, fmt, input_stats(float_model, ids) if "-" in fmt else None)
             ref = cpu_model(ids)  # torch reference paths (CPU, float32)
             row = {"format": fmt, "tokens": 2 * seq, "rel_vs_float": rel(ref, float_logits)}
             if fmt != "int4":

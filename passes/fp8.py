@@ -7,6 +7,7 @@
     activation_scheme = "dynamic"       # "dynamic" per token, "static" per tensor, "none" (weight-only)
     activation_group_size = 0           # dynamic: one scale per token (0) or per token and G channels
     input_shift = true                  # subtract each input channel's calibration mean (OS+)
+    outlier_channels = 0                # r input channels per layer kept in the model dtype (QUIK)
     static_calibration = "absmax"       # static scale from the abs-max, or "percentile"
     modules_to_not_convert = ["lm_head", "embed_tokens"]
     max_layer_error = 0.1               # relative output error above which a layer stays in float
@@ -16,8 +17,9 @@
 Phases: (1) run the calibration windows through the model in its dtype, hooks recording for
 each candidate Linear the abs-max of every input token, a sample of input rows and (GPTQ) the
 Gram matrix XᵀX of its inputs, and for each attention layer the per-head K/V abs-max (with
-``input_shift``, a pass before it records each input channel's mean, and the abs-maxima and XᵀX
-are then of the inputs less that mean);
+``input_shift`` or ``outlier_channels``, a pass before it records each input channel's mean and
+mean square: the abs-maxima and XᵀX are then of the inputs less that mean, and the outlier
+channels are those of largest mean square of what would be cast);
 (2) quantize each candidate (GPTQ: each weight column in turn, its rounding error pushed onto
 the columns not yet rounded; weight scales stay the abs-max ones), measure its relative
 output error on the sampled rows and keep it in float if that exceeds ``max_layer_error`` (a
@@ -60,6 +62,10 @@ class Fp8Options:
     # bias (Outlier Suppression+'s shift): FP8 error is relative, so it is then spent on x − mean.
     # On SmolLM2 it cuts the KL to float by 19% (dynamic) and 30% (static); see docs/BENCHMARKS.md.
     input_shift: bool = True
+    # Keep this many input channels of each Linear (those of largest calibrated mean square, after
+    # the shift) out of the FP8 cast, in the model dtype, with their weight columns (QUIK). On
+    # SmolLM2, 32 of 576 cut the W8A8 KL to float by a third; see docs/BENCHMARKS.md.
+    outlier_channels: int = 0
     # Static scales: "absmax" covers every calibration token; "percentile" covers that percentile
     # of the tokens' abs-maxima (the rest saturate), trading rare outliers for finer steps.
     static_calibration: Literal["absmax", "percentile"] = "absmax"
@@ -86,6 +92,8 @@ class Fp8Options:
             raise ValueError(f"calibration_samples must be >= 1, got {self.calibration_samples}")
         if not 0 < self.gptq_damp < 1:
             raise ValueError(f"gptq_damp must be in (0, 1), got {self.gptq_damp}")
+        if self.outlier_channels < 0:
+            raise ValueError(f"outlier_channels must be >= 0, got {self.outlier_channels}")
         if self.error_tokens < 1:
             raise ValueError(f"error_tokens must be >= 1, got {self.error_tokens}")
         if self.activation_group_size < 0 or self.activation_group_size % 16:
@@ -127,7 +135,7 @@ class Fp8Pass(Pass):
         with torch.device("meta"):  # only the entry is wanted: allocate no buffers
             return Fp8Linear(in_features, out_features, False, torch.float32, o.weight_dtype, o.granularity,
                              o.activation_dtype, o.activation_scheme, o.activation_group_size,
-                             o.input_shift).format_meta()
+                             o.input_shift, o.outlier_channels).format_meta()
 
     def planned_formats(self, config: ModelConfig) -> dict[str, dict]:
         model = _meta_model(config)
@@ -140,6 +148,12 @@ class Fp8Pass(Pass):
         for p in self.options.modules_to_not_convert:
             if not any(matches(n, p) for n in names):
                 raise ConfigError(f"modules_to_not_convert pattern {p!r} matches no module (e.g. {names[-1]!r}); fix or remove it")
+        outliers = self.options.outlier_channels
+        for name in self._candidates(model) if outliers else []:
+            k = model.get_submodule(name).in_features
+            if outliers >= k:
+                raise ConfigError(f"outlier_channels {outliers} is not below {name}'s {k} input features; "
+                                  "use a small fraction of them (e.g. 32)")
         group = self.options.activation_group_size
         for name in self._candidates(model) if group else []:
             k = model.get_submodule(name).in_features
@@ -160,6 +174,8 @@ class Fp8Pass(Pass):
         errors = [r["rel_error"] for r in report.layers if "rel_error" in r]
         report.metrics = {"converted": len(candidates) - len(kept), "fallback": len(kept),
                           "weight_dtype": o.weight_dtype, "activations": o.activation_scheme}
+        if o.outlier_channels:
+            report.metrics["outlier_channels"] = o.outlier_channels
         if errors:
             report.metrics |= {"mean_rel_error": sum(errors) / len(errors), "max_rel_error": max(errors)}
         if kept:
@@ -178,7 +194,7 @@ class Fp8Pass(Pass):
         o = self.options
         return o.kv_cache_dtype != "none" or bool(candidates) and (
             o.activation_scheme == "static" or o.max_layer_error is not None or o.weight_rounding == "gptq"
-            or o.input_shift)
+            or o.input_shift or o.outlier_channels > 0)
 
     @staticmethod
     def _run_windows(model: Transformer, windows: torch.Tensor, label: str) -> None:
@@ -188,34 +204,52 @@ class Fp8Pass(Pass):
             model(batch.to(device))
 
     @torch.inference_mode()
-    def _input_means(self, model: Transformer, windows: torch.Tensor, candidates: list[str]) -> dict[str, torch.Tensor]:
-        """name -> each input channel's mean over the calibration tokens [in] (float32)."""
-        sums: dict[str, torch.Tensor] = {}
+    def _input_moments(self, model: Transformer, windows: torch.Tensor,
+                       candidates: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """name -> each input channel's mean and mean square over the calibration tokens ([in] float64)."""
+        sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def hook(name):
             def record(_module, args):
-                x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-                sums[name] = sums.get(name, 0) + x.sum(0, dtype=torch.float64)
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+                s1, s2 = sums.get(name, (0, 0))
+                sums[name] = (s1 + x.sum(0), s2 + x.square().sum(0))
             return record
 
         handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in candidates]
         try:
-            self._run_windows(model, windows, "fp8: input means")
+            self._run_windows(model, windows, "fp8: input statistics")
         finally:
             for h in handles:
                 h.remove()
-        return {n: (v / windows.numel()).float() for n, v in sums.items()}
+        return {n: (s1 / windows.numel(), s2 / windows.numel()) for n, (s1, s2) in sums.items()}
+
+    def _shifts_and_outliers(self, model: Transformer, windows: torch.Tensor, candidates: list[str]
+                             ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """name -> input_shift [in] float32 (with ``input_shift``), and name -> the indices of the
+        ``outlier_channels`` channels of largest mean square once shifted (variance with the shift)."""
+        o = self.options
+        if not candidates or not (o.input_shift or o.outlier_channels):
+            return {}, {}
+        moments = self._input_moments(model, windows, candidates)
+        shifts = {n: mean.float() for n, (mean, _) in moments.items()} if o.input_shift else {}
+        outliers = {}
+        for n, (mean, square) in moments.items() if o.outlier_channels else ():
+            cast_square = square - mean.square() if o.input_shift else square
+            outliers[n] = cast_square.topk(o.outlier_channels).indices.sort().values
+        return shifts, outliers
 
     @torch.inference_mode()
     def _calibrate(self, model: Transformer, context: PassContext, candidates: list[str]) -> dict:
         """name -> {"token_amax": [N], "rows": [R, in], "hessian": [in, in] (gptq), "shift": [in]
-        (input_shift)} per candidate; "__kv__" -> observers. With input_shift the abs-maxima and the
-        Hessian are those of the shifted inputs, the rows (for the fallback's error) the raw ones."""
+        (input_shift), "outliers": [r] (outlier_channels)} per candidate; "__kv__" -> observers. With
+        input_shift the abs-maxima and the Hessian are those of the shifted inputs, the rows (for
+        the fallback's error) the raw ones; the abs-maxima leave the outlier channels out."""
         if not self._needs_calibration(candidates):
             return {}
         o = self.options
         windows = context.calibration_windows(o.calibration_samples)
-        shifts = self._input_means(model, windows, candidates) if o.input_shift and candidates else {}
+        shifts, outliers = self._shifts_and_outliers(model, windows, candidates)
         stride = max(1, windows.numel() // o.error_tokens)  # every stride-th token is kept for errors
         stats = {n: {"token_amax": [], "rows": []} for n in candidates}
         # GPTQ's Hessians: q/k/v (and gate/up) read one tensor, so they share one running XᵀX.
@@ -228,7 +262,8 @@ class Fp8Pass(Pass):
                 x = args[0].detach().reshape(-1, args[0].shape[-1])  # [B*T, in]
                 stats[name]["rows"].append(x[::stride].float().clone())
                 xf = x.float() - shifts[name] if shifts else x.float()
-                stats[name]["token_amax"].append(xf.abs().amax(-1))
+                cast = xf.index_fill(1, outliers[name], 0) if outliers else xf
+                stats[name]["token_amax"].append(cast.abs().amax(-1))
                 if o.weight_rounding == "gptq":
                     if args[0] is not last["x"]:  # `is`, and holding it, so no id is ever reused
                         last.update(x=args[0], name=name)
@@ -257,6 +292,8 @@ class Fp8Pass(Pass):
             out[n]["hessian"] = hessians[owner[n]]
         for n, shift in shifts.items():
             out[n]["shift"] = shift
+        for n, index in outliers.items():
+            out[n]["outliers"] = index
         out["__kv__"] = observers
         return out
 
@@ -265,12 +302,16 @@ class Fp8Pass(Pass):
         amax = token_amax.max() if o.static_calibration == "absmax" else torch.quantile(token_amax, o.percentile / 100)
         return float(amax) / fp8_max(FP8_DTYPES[o.activation_dtype])
 
-    def _gptq_weight(self, linear: nn.Linear, hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """GPTQ-rounded weight on the FP8 grid of the original weight's abs-max scales."""
+    def _gptq_weight(self, linear: nn.Linear, hessian: torch.Tensor,
+                     outliers: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """GPTQ-rounded weight on the FP8 grid of the original weight's abs-max scales (of the
+        columns that are cast: ``outliers``' columns stay float, rounded last to take compensation)."""
         o = self.options
         dtype = FP8_DTYPES[o.weight_dtype]
-        scale = weight_scale(linear.weight, dtype, o.granularity)[:, None]
-        weight = gptq_round(linear.weight, hessian, lambda cols, _: dequantize(quantize(cols, scale, dtype), scale), damp=o.gptq_damp)
+        cast = linear.weight.detach() if outliers is None else linear.weight.detach().index_fill(1, outliers, 0)
+        scale = weight_scale(cast, dtype, o.granularity)[:, None]
+        weight = gptq_round(linear.weight, hessian, lambda cols, _: dequantize(quantize(cols, scale, dtype), scale),
+                            damp=o.gptq_damp, exact=outliers)
         return weight, scale[:, 0]
 
     def _convert(self, model: Transformer, name: str, stats: dict | None) -> dict:
@@ -278,11 +319,13 @@ class Fp8Pass(Pass):
         o = self.options
         linear = model.get_submodule(name)
         input_scale = self._input_scale(stats["token_amax"]) if o.activation_scheme == "static" else None
+        outliers = (stats or {}).get("outliers")
         weight = scale = None
         if o.weight_rounding == "gptq":
-            weight, scale = self._gptq_weight(linear, stats["hessian"])
+            weight, scale = self._gptq_weight(linear, stats["hessian"], outliers)
         q = Fp8Linear.from_linear(linear, o.weight_dtype, o.granularity, o.activation_dtype, o.activation_scheme,
-                                  input_scale, weight, scale, o.activation_group_size, (stats or {}).get("shift"))
+                                  input_scale, weight, scale, o.activation_group_size, (stats or {}).get("shift"),
+                                  outliers)
         row = {"module": name, "decision": "fp8"}
         if input_scale is not None:
             row["input_scale"] = input_scale

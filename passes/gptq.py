@@ -22,11 +22,14 @@ RoundColumns = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, round_columns: RoundColumns,
-               block_size: int = 128, damp: float = 0.01, act_order: bool = True) -> torch.Tensor:
+               block_size: int = 128, damp: float = 0.01, act_order: bool = True,
+               exact: torch.Tensor | None = None) -> torch.Tensor:
     """Weight [N, K] rounded by ``round_columns(values [N, b], columns [b]) -> [N, b]`` (values
     on the grid; ``columns`` are their indices in ``weight``, for formats with per-group scales),
     with GPTQ's error compensation. ``damp`` (fraction of H's mean diagonal) keeps the Cholesky
-    factorisation stable; ``act_order`` rounds the columns with the largest inputs first."""
+    factorisation stable; ``act_order`` rounds the columns with the largest inputs first.
+    ``exact`` (indices) are columns the format keeps in float: they come last and are not
+    rounded, so they take the compensation of every other column's error (as in QUIK)."""
     w = weight.detach().float().clone()
     h = hessian.detach().float().clone()
     k = w.shape[1]
@@ -34,6 +37,11 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, round_columns: Round
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     order = torch.argsort(h.diagonal(), descending=True) if act_order else torch.arange(k)
+    is_exact = torch.zeros(k, dtype=torch.bool, device=h.device)
+    if exact is not None:
+        is_exact[exact] = True
+        order = torch.cat([order[~is_exact[order]], order[is_exact[order]]])
+    exact_at = is_exact[order].tolist()  # by position in the rounding order
     w, h = w[:, order], h[order][:, order]
     h.diagonal().add_(damp * h.diagonal().mean())
     # Upper Cholesky factor of H⁻¹: row i holds the update of columns i.. after rounding column i.
@@ -42,7 +50,8 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, round_columns: Round
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # thousands of small ops: thread hand-offs cost more than they save
     try:
-        _round_blocks(w, hinv, q, lambda values, i: round_columns(values, order[i : i + 1]), block_size)
+        _round_blocks(w, hinv, q, lambda values, i: values if exact_at[i] else round_columns(values, order[i : i + 1]),
+                      block_size)
     finally:
         torch.set_num_threads(threads)
     return q[:, torch.argsort(order)].to(weight.dtype)

@@ -243,3 +243,44 @@ def test_input_shift_spends_the_rounding_on_x_minus_mean(scheme):
     clone.load_state_dict(shifted.state_dict())  # the loader passes the float layer's bias=False: the shift adds it
     assert torch.equal(clone(x), shifted(x))
     assert clone.to(torch.bfloat16).input_shift.dtype == torch.float32
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "static", "none"])
+def test_outlier_channels_stay_out_of_the_cast(scheme):
+    """With ``outliers``, those input channels neither take FP8 rounding nor set a token's scale: the
+    output is the FP8 product of the other channels plus a float product of theirs (by hand here);
+    the float form (dequantized weight and bias, as ONNX exports) agrees, and the meta round-trips."""
+    torch.manual_seed(5)
+    lin = nn.Linear(64, 32, bias=True)
+    x = torch.randn(40, 64)
+    x[:, [7, 30]] *= 300.0  # huge, varying channels: the per-token scale would follow them
+    mean = x.mean(0)
+    idx = torch.tensor([7, 30])
+    rest = torch.ones(64, dtype=torch.bool)
+    rest[idx] = False
+    scale = float((x - mean)[:, rest].abs().max()) / 448
+    q = Fp8Linear.from_linear(lin, activation_scheme=scheme, input_scale=scale, input_shift=mean, outliers=idx)
+    assert torch.equal(q.outlier_weight, lin.weight[:, idx]) and q.weight[:, idx].float().eq(0).all()
+    w_rest = q.dequantized_weight() * rest  # the FP8 columns
+    centred = x - mean
+    if scheme == "dynamic":
+        xq, xs = quantize_per_token(centred * rest, torch.float8_e4m3fn)
+        cast = xq.float() * xs[:, None]
+    elif scheme == "static":
+        cast = quantize(centred * rest, torch.tensor(scale), torch.float8_e4m3fn).float() * scale
+    else:
+        cast = centred * rest
+    by_hand = cast @ w_rest.t() + centred[:, idx] @ lin.weight[:, idx].t() + q.bias
+    assert torch.allclose(q(x), by_hand, atol=1e-4)
+    plain = Fp8Linear.from_linear(lin, activation_scheme=scheme, input_scale=float(centred.abs().max()) / 448,
+                                  input_shift=mean)
+    assert rel_error(q(x), lin(x)) < 0.5 * rel_error(plain(x), lin(x))
+    float_form = x @ q.dequantized_weight().t() + q.dequantized_bias()
+    if scheme == "none":
+        assert torch.allclose(float_form, q(x), atol=1e-3)
+    clone = Fp8Linear.empty(q.format_meta(), 64, 32, True, torch.float32)
+    clone.load_state_dict(q.state_dict())
+    assert q.format_meta()["outlier_channels"] == 2 and torch.equal(clone(x), q(x))
+    assert clone.to(torch.bfloat16).outlier_index.dtype == torch.int64
+    with pytest.raises(ValueError, match="outlier_channels must be in"):
+        Fp8Linear(64, 32, False, torch.float32, outlier_channels=64)

@@ -180,6 +180,7 @@ def test_two_passes_cannot_claim_one_layer(tiny):
     ({"max_layer_eror": 0.1}, "did you mean 'max_layer_error'"),
     ({"activation_group_size": 40}, "multiple of 16"),
     ({"activation_group_size": 32, "activation_scheme": "static"}, "needs activation_scheme"),
+    ({"outlier_channels": -1}, "outlier_channels must be >= 0"),
 ])
 def test_bad_options_are_one_line_config_errors(options, message):
     with pytest.raises(ConfigError, match=message) as e:
@@ -203,6 +204,39 @@ def test_activation_groups_round_trip_through_the_artifact(tiny, tmp_path):
     assert torch.equal(reloaded.model(ids()), loaded.model(ids()))
     assert 0 < float((reloaded.model(ids()) - float_logits).norm() / float_logits.norm()) < 0.3
     assert all(m["activation_group_size"] == 32 for m in reloaded.manifest["modules"].values())
+
+
+def test_outlier_channels_must_be_below_every_layers_inputs(tiny):
+    with pytest.raises(PipelineValidationError, match="outlier_channels 64 is not below layers.0.self_attn.q_proj's 64"):
+        Pipeline(pipeline(outlier_channels=64)).validate(tiny().model.config)
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "static"])
+def test_outlier_channels_are_the_largest_shifted_variances_and_round_trip(tiny, tmp_path, scheme):
+    """Each layer keeps the r channels whose calibration inputs vary most about their mean; the
+    reloaded artifact gives the in-memory logits, closer to float than without them. (The pass
+    runs outside no_grad, as from the command line, where the weights require grad.)"""
+    float_model = tiny().model.requires_grad_(False)
+    float_logits = float_model(ids())
+    errors = {}
+    for r in (0, 8):
+        loaded = tiny()
+        assert loaded.model.layers[0].mlp.up_proj.weight.requires_grad
+        config = pipeline(max_layer_error=10.0, activation_scheme=scheme, outlier_channels=r)
+        result = compile_loaded(loaded, config, tmp_path / f"r{r}")
+        reloaded = load_artifact(result.path)
+        with torch.no_grad():
+            assert torch.equal(reloaded.model(ids()), loaded.model(ids()))
+            errors[r] = float((reloaded.model(ids()) - float_logits).norm() / float_logits.norm())
+    print(f"{scheme}: relative logit error without outlier channels {errors[0]:.4f}, with 8: {errors[8]:.4f}")
+    assert 0 < errors[8] < errors[0]
+    assert all(m["outlier_channels"] == 8 for m in reloaded.manifest["modules"].values())
+    seen = []
+    handle = float_model.layers[1].mlp.down_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, 96)))
+    float_model(PassContext(tokenizer=loaded.tokenizer, calibration=config.calibration).calibration_windows())
+    handle.remove()
+    down = reloaded.model.layers[1].mlp.down_proj
+    assert torch.equal(down.outlier_index, torch.cat(seen).var(0).topk(8).indices.sort().values)
 
 
 def test_pattern_matching_nothing_is_a_validation_error(tiny):

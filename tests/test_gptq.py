@@ -39,6 +39,26 @@ def test_gptq_with_uncorrelated_inputs_is_round_to_nearest():
     assert torch.equal(gptq_round(w, torch.diag(torch.rand(32) + 0.5), rnd), rnd(w, None))
 
 
+def test_exact_columns_stay_float_and_absorb_the_others_error():
+    """Columns a format keeps in float (fp8's outlier channels) are not rounded; being last, they take
+    compensation from every other column, so the output error falls below rounding the rest alone."""
+    x = correlated_inputs(seed=8)
+    w = torch.randn(64, x.shape[1], generator=torch.Generator().manual_seed(9)) * 0.02
+    exact = torch.tensor([3, 100, 200])
+    rest = torch.ones(x.shape[1], dtype=torch.bool)
+    rest[exact] = False
+    rnd = fp8_rounder(w)
+    h = x.T @ x / len(x)
+    q = gptq_round(w, h, rnd, block_size=32, exact=exact)
+    rel = lambda q: float((x @ (q - w).T).norm() / (x @ w.T).norm())  # noqa: E731
+    untouched = gptq_round(w, h, rnd, block_size=32).clone()
+    untouched[:, exact] = w[:, exact]  # the same rounding, with float columns that compensate nothing
+    print(f"relative output error: exact columns compensating {rel(q):.4f}, not compensating {rel(untouched):.4f}")
+    assert torch.equal(rnd(q[:, rest], None), q[:, rest])  # the others on the grid
+    assert not torch.equal(q[:, exact], w[:, exact]) and not torch.equal(rnd(q[:, exact], None), q[:, exact])
+    assert rel(q) < 0.9 * rel(untouched)
+
+
 def test_gptq_handles_channels_never_active():
     x = correlated_inputs(k=64, seed=4)
     x[:, 5] = 0
