@@ -97,7 +97,7 @@ def run_qat(args, teacher, tokenizer) -> dict:
         student, label = int4_student(teacher), "RTN INT4 g128 (g64 fallback)"
     opts = _options(args, args.out / "qat", learn_qparams=args.learn_qparams, beta=args.beta,
                     block_epochs=args.block_epochs, block_sequences=args.block_sequences, block_lr=args.block_lr,
-                    generated_sequences=args.generated_sequences)
+                    generated_sequences=args.generated_sequences, e2e_params=args.e2e_params)
     outcome = run_distillation(teacher, student, tokenizer, opts, args.out / "qat")
     return {"student": f"{label}, lm_head float; embeddings frozen", **outcome.metrics}
 
@@ -174,6 +174,8 @@ def main() -> None:
     p.add_argument("--block-lr", type=float, default=DistillOptions.block_lr)
     p.add_argument("--generated-sequences", type=int, default=0, help="qat: teacher-written sequences added to the pool")
     p.add_argument("--learn-qparams", action="store_true", help="qat: learn INT4 scales and zero points too")
+    p.add_argument("--e2e-params", choices=("all", "scales"), default="all",
+                   help="qat: what the end-to-end steps train (scales: codes fixed, EfficientQAT's E2E-QP)")
     p.add_argument("--awq-samples", type=int, default=32)
     p.add_argument("--awq-seq-len", type=int, default=256)
     p.add_argument("--out", type=Path, default=Path("out/bench-distill"))

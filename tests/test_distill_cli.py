@@ -49,6 +49,24 @@ def test_qat_from_an_int4_artifact_recovers_and_stays_int4(teacher_dir, tmp_path
     assert len(lines) == 12 and {"loss", "kl", "mse", "ce", "lr", "grad_norm", "tokens_per_s"} <= set(json.loads(lines[0]))
 
 
+def test_scales_only_end_to_end_keeps_the_int4_codes(teacher_dir, tmp_path):
+    """--e2e-params scales (E2E-QP): the student's codes and zero points stay those it came with."""
+    loaded = load_checkpoint(teacher_dir)
+    int4 = tmp_path / "int4"
+    save_artifact(int4, int4_copy(loaded.model), loaded.tokenizer, loaded.source, {"passes": [{"name": "rtn-test"}]}, [])
+    r = qcompile("distill", "--teacher", teacher_dir, "--student", int4, "--steps", 8, "--lr", "1e-4", *FAST,
+                 "--e2e-params", "scales", "-o", tmp_path / "out", "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["kl_after"] < result["kl_before"]
+    before, after = load_artifact(int4).model.layers[0].mlp.up_proj, load_artifact(tmp_path / "out" / "student").model.layers[0].mlp.up_proj
+    assert torch.equal(after.qweight, before.qweight) and torch.equal(after.qzeros, before.qzeros)
+    assert not torch.equal(after.scales, before.scales)
+    r = qcompile("distill", "--teacher", teacher_dir, "--student", "keep_layers:0", "--e2e-params", "scales", *FAST,
+                 "-o", tmp_path / "x")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no INT4 layers" in r.stderr
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("shard", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
 def test_two_process_gloo_ddp_equals_one_process(teacher_dir, tmp_path, shard):

@@ -4,8 +4,8 @@ import torch
 
 from compiler.errors import ConfigError
 from compiler.int4 import Int4Linear
-from passes.distill.students import (FakeQuantInt4Linear, default_layer_map, keep_layers_student, make_qat_student,
-                                     parse_keep_layers, repack_int4, round_ste)
+from passes.distill.students import (FakeQuantInt4Linear, default_layer_map, freeze_codes, keep_layers_student,
+                                     make_qat_student, parse_keep_layers, repack_int4, round_ste)
 from distill_helpers import int4_copy, tiny_model
 
 
@@ -59,6 +59,37 @@ def test_frozen_qparams_are_buffers():
     fq = FakeQuantInt4Linear(Int4Linear.from_float(torch.nn.Linear(32, 8), 32), learn_qparams=False)
     names = {n for n, _ in fq.named_parameters()}
     assert names == {"weight", "bias"}
+
+
+@pytest.mark.parametrize("learn_qparams", [False, True])
+def test_frozen_codes_train_the_scales_alone(learn_qparams):
+    """E2E-QP: after freeze_codes only the scales train; the function is unchanged at first, the
+    re-packed codes stay those of the start, and the re-packed layer is the trained one."""
+    torch.manual_seed(1)
+    q = Int4Linear.from_float(torch.nn.Linear(40, 8), 32)  # K padded to 64
+    fq = FakeQuantInt4Linear(q, learn_qparams)
+    x, target = torch.randn(16, 40), torch.randn(16, 8)
+    before = fq(x)
+    fq.freeze_codes()
+    torch.testing.assert_close(fq(x), before, rtol=0, atol=0)
+    assert [n for n, p in fq.named_parameters() if p.requires_grad] == ["scales"]
+    opt = torch.optim.SGD([fq.scales], lr=0.05)
+    for _ in range(5):
+        opt.zero_grad()
+        ((fq(x) - target) ** 2).mean().backward()
+        opt.step()
+    back = fq.to_int4()
+    assert torch.equal(back.qweight, q.qweight) and torch.equal(back.qzeros, q.qzeros)
+    assert not torch.equal(back.scales, q.scales)
+    assert ((back(x) - target) ** 2).mean() < ((q(x) - target) ** 2).mean()
+    torch.testing.assert_close(back(x), fq(x), rtol=1e-5, atol=1e-5)
+
+
+def test_freeze_codes_leaves_only_scales_trainable():
+    qat = int4_copy(tiny_model())
+    make_qat_student(qat)
+    assert freeze_codes(qat) == 14
+    assert {n.rsplit(".", 1)[-1] for n, p in qat.named_parameters() if p.requires_grad} == {"scales"}
 
 
 def test_make_qat_student_swaps_and_repacks_every_int4_layer():

@@ -10,17 +10,19 @@ from passes.distill.checkpoint import list_checkpoints, load_checkpoint_dir
 from passes.distill.config import DistillOptions
 from passes.distill.data import PackedLoader, pack_sequences, teacher_sequences
 from passes.distill.errors import TrainingDivergedError
-from passes.distill.students import make_qat_student
+from passes.distill.students import freeze_codes, make_qat_student
 from passes.distill.trainer import Distiller, WarmupCosine
 from distill_helpers import int4_copy, random_sequences, tiny_model
 
 FAST = dict(steps=6, seq_len=16, batch_size=4, lr=1e-2, warmup_steps=1, eval_windows=1, eval_len=16)
 
 
-def qat_pair(tie=False):
+def qat_pair(tie=False, scales_only=False):
     teacher = tiny_model(tie=tie)
     student = int4_copy(teacher)
     make_qat_student(student, learn_qparams=True)
+    if scales_only:
+        freeze_codes(student)
     return teacher, student
 
 
@@ -40,11 +42,11 @@ def _metrics(path):
     return [{k: v for k, v in json.loads(line).items() if k not in drop} for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_interrupted_and_resumed_run_is_bitwise_equal(tmp_path, tie):
-    opts = DistillOptions(**FAST, checkpoint_every=2, grad_accum=2)
+@pytest.mark.parametrize("tie, scales_only", [(False, False), (True, False), (False, True)])
+def test_interrupted_and_resumed_run_is_bitwise_equal(tmp_path, tie, scales_only):
+    opts = DistillOptions(**FAST, checkpoint_every=2, grad_accum=2, e2e_params="scales" if scales_only else "all")
     seqs = random_sequences()
-    teacher, student = qat_pair(tie)
+    teacher, student = qat_pair(tie, scales_only)
     full = copy.deepcopy(student)
     Distiller(teacher, full, seqs, opts, tmp_path / "full").train()
 
@@ -238,6 +240,7 @@ def test_teacher_sequences_continue_pool_prompts_with_the_teachers_text():
     (dict(block_epochs=-1), "block_epochs must be >= 0"),
     (dict(block_lr=0.0), "block_lr must be > 0"),
     (dict(generated_sequences=-1), "generated_sequences must be >= 0"),
+    (dict(e2e_params="weights"), "e2e_params"),
 ])
 def test_bad_options(bad, match):
     from compiler.options import parse_options

@@ -11,13 +11,15 @@ from typing import Callable
 
 import torch
 
+from compiler.int4 import Int4Linear
 from compiler.model import Transformer
 from passes.distill.blockwise import check_blockwise, reconstruct_blocks
 from passes.distill.checkpoint import list_checkpoints
 from passes.distill.config import DistillOptions
 from passes.distill.data import PackedLoader, corpus_tokens, heldout_windows, pack_sequences, teacher_sequences
+from passes.distill.errors import DistillConfigError
 from passes.distill.evaluate import compare_on_windows, teacher_logits
-from passes.distill.students import make_qat_student, repack_int4
+from passes.distill.students import freeze_codes, make_qat_student, repack_int4
 from passes.distill.trainer import Distiller, TrainResult, set_gradient_checkpointing, unshard_student
 
 
@@ -46,6 +48,9 @@ def run_distillation(teacher: Transformer, student: Transformer, tokenizer, opti
                      output_dir: Path | None = None, resume: bool = False,
                      on_step: Callable[[int, dict], None] | None = None) -> DistillOutcome:
     """Distill ``teacher`` into ``student`` (modified in place; INT4 students come back re-packed as INT4)."""
+    if options.e2e_params == "scales" and not any(isinstance(m, Int4Linear) for m in student.modules()):
+        raise DistillConfigError('e2e_params = "scales" trains INT4 scales, and the student has no INT4 layers; '
+                                 'use e2e_params = "all" for a float student')
     if options.block_epochs:
         check_blockwise(teacher, student)
     sets = heldout_sets(tokenizer, options)
@@ -65,6 +70,8 @@ def run_distillation(teacher: Transformer, student: Transformer, tokenizer, opti
                                     options.batch_size, options.max_grad_norm, options.seed)
         main = options.corpus  # what the blocks alone did, before end-to-end training changes it
         blocks["kl_after_blocks"] = compare_on_windows(teacher, student, sets[main], reference=reference[main])["kl"]
+    if options.e2e_params == "scales":
+        freeze_codes(student)
     distiller = Distiller(teacher, student, sequences, options, output_dir, on_step)
     result = distiller.train(resume)
     unshard_student(distiller)

@@ -8,6 +8,7 @@ from passes.distill.loss import LossWeights
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 HIDDEN_NORMS = ("rms", "none")
+E2E_PARAMS = ("all", "scales")
 
 
 @dataclass
@@ -47,6 +48,9 @@ class DistillOptions:
     hidden_norm: Literal["rms", "none"] = "rms"  # MSE of per-token RMS-normalized hidden states ("none": raw)
     layer_map: list[list[int]] | None = None  # [[student_layer, teacher_layer], ...]; default: proportional depth
     learn_qparams: bool = False  # QAT: learn INT4 scales and zero points too (else frozen)
+    # What the end-to-end steps train: "all" (every parameter; INT4 weights through the STE) or
+    # "scales" (QAT: the INT4 codes fixed, only the scales; EfficientQAT's E2E-QP after Block-AP).
+    e2e_params: Literal["all", "scales"] = "all"
     # Block-wise reconstruction first (passes/distill/blockwise.py): each block trained alone to
     # match the teacher's block output, ``block_epochs`` passes over ``block_sequences`` training
     # sequences at ``block_lr``; 0 epochs: off. Needs a student as deep and wide as the teacher.
@@ -100,6 +104,8 @@ class DistillOptions:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.hidden_norm not in HIDDEN_NORMS:
             raise ValueError(f"hidden_norm must be one of {', '.join(HIDDEN_NORMS)}, got {self.hidden_norm!r}")
+        if self.e2e_params not in E2E_PARAMS:
+            raise ValueError(f"e2e_params must be one of {', '.join(E2E_PARAMS)}, got {self.e2e_params!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.layer_map is not None and not all(len(p) == 2 for p in self.layer_map):

@@ -3,8 +3,9 @@
 QAT: every ``Int4Linear`` becomes a ``FakeQuantInt4Linear`` whose float master weight starts at the
 dequantized INT4 weight, so the first forward is exactly the INT4 model's. Training runs the
 quantize-dequantize round trip with a straight-through estimator on the rounding; scales and zero
-points are the INT4 model's (frozen buffers) or learnable parameters. ``repack_int4`` turns each
-back into an ``Int4Linear`` in the same format (group size, zero-point mode, MatMulNBits layout).
+points are the INT4 model's (frozen buffers) or learnable parameters. ``freeze_codes`` fixes the
+codes for EfficientQAT's E2E-QP (only the scales train end to end). ``repack_int4`` turns each back
+into an ``Int4Linear`` in the same format (group size, zero-point mode, MatMulNBits layout).
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class FakeQuantInt4Linear(nn.Module):
     """Float master weight [N, K] trained through INT4 fake quantization (STE on the rounding).
 
     ``scales`` [N, n_blocks] and ``zeros`` [N, n_blocks] (float, integral values) are parameters when
-    ``learn_qparams`` (the zero point then also rounds through the STE), else buffers.
+    ``learn_qparams`` (the zero point then also rounds through the STE), else buffers. After
+    ``freeze_codes`` the weight is the fixed ``codes`` [N, K_padded] times the trainable scales.
     """
 
     def __init__(self, source: Int4Linear, learn_qparams: bool):
@@ -46,16 +48,34 @@ class FakeQuantInt4Linear(nn.Module):
             self.register_buffer("zeros", zeros)
         self.bias = None if source.bias is None else nn.Parameter(source.bias.float().clone())
         self.storage_dtype = source.scales.dtype
+        self.register_buffer("codes", None)  # uint8 [N, n_blocks, g] once frozen
+
+    def _codes(self, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """The weight's INT4 codes [N, n_blocks, g] as floats, differentiable by STE."""
+        w = pad_columns(self.weight, self.group_size)
+        groups = w.view(w.shape[0], -1, self.group_size)
+        return (round_ste(groups / scale) + zero).clamp(0, QMAX)
 
     def fake_quantized_weight(self) -> torch.Tensor:
         """The weight the INT4 model would hold, differentiable by STE: [N, K]."""
-        w = pad_columns(self.weight, self.group_size)
-        N, K = w.shape
-        groups = w.view(N, K // self.group_size, self.group_size)  # [N, n_blocks, g]
         scale = self.scales.clamp(min=1e-8)[..., None]
         zero = round_ste(self.zeros).clamp(0, QMAX)[..., None]
-        q = (round_ste(groups / scale) + zero).clamp(0, QMAX)
-        return ((q - zero) * scale).view(N, K)[:, : self.in_features]
+        q = self._codes(scale, zero) if self.codes is None else self.codes.float()
+        return ((q - zero) * scale).flatten(1)[:, : self.in_features]
+
+    @torch.no_grad()
+    def freeze_codes(self) -> None:
+        """Fix the codes the weight rounds to now and train the scales alone (EfficientQAT's E2E-QP,
+        Chen et al. 2024): the gradient reaches each scale through every code of its group, and the
+        few parameters cannot overfit as the weights do. Weight and zero points stop training."""
+        zero = self.zeros.round().clamp(0, QMAX)[..., None]
+        self.codes = self._codes(self.scales.clamp(min=1e-8)[..., None], zero).to(torch.uint8)
+        scales = self.scales.detach().clone()
+        del self.scales
+        self.scales = nn.Parameter(scales)
+        for frozen in (self.weight, self.zeros, self.bias):
+            if frozen is not None:
+                frozen.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.fake_quantized_weight().to(x.dtype)
@@ -66,8 +86,10 @@ class FakeQuantInt4Linear(nn.Module):
         """Re-pack into the INT4 format the student came from."""
         scale = self.scales.clamp(min=1e-8).to(self.storage_dtype)
         zero = self.zeros.round().clamp(0, QMAX).to(torch.uint8)
-        w = pad_columns(self.weight.to(self.storage_dtype), self.group_size)
-        q = quantize(w, scale, zero, self.group_size)
+        if self.codes is None:
+            q = quantize(pad_columns(self.weight.to(self.storage_dtype), self.group_size), scale, zero, self.group_size)
+        else:
+            q = self.codes.flatten(1)
         bias = None if self.bias is None else self.bias.to(self.storage_dtype)
         return Int4Linear.from_codes(q, scale, zero, self.in_features, self.group_size, self.zero_point, bias)
 
@@ -82,6 +104,15 @@ def _swap(model: nn.Module, kind: type, make) -> int:
 def make_qat_student(model: Transformer, learn_qparams: bool = False) -> int:
     """Swap every ``Int4Linear`` of ``model`` for a trainable fake-quantized twin (in place); return the count."""
     return _swap(model, Int4Linear, lambda m: FakeQuantInt4Linear(m, learn_qparams))
+
+
+def freeze_codes(model: Transformer) -> int:
+    """Leave only the INT4 scales of a QAT student trainable, its codes fixed (E2E-QP); return the count."""
+    layers = [m for m in model.modules() if isinstance(m, FakeQuantInt4Linear)]
+    model.requires_grad_(False)
+    for m in layers:
+        m.freeze_codes()
+    return len(layers)
 
 
 def repack_int4(model: Transformer) -> int:

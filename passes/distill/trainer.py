@@ -210,7 +210,7 @@ class Distiller:
         # Settings that change what the remaining steps compute must match; eval/log settings may differ.
         same = ("corpus", "generated_sequences", "seq_len", "batch_size", "grad_accum", "lr", "min_lr_ratio",
                 "warmup_steps", "steps", "alpha", "beta", "gamma", "temperature", "hidden_norm", "seed",
-                "learn_qparams", "precision")
+                "learn_qparams", "e2e_params", "precision")
         old, new = meta["options"], self.options.to_dict()
         old = {**DistillOptions().to_dict(), **old}  # a setting added since the checkpoint: its default
         changed = [k for k in same if old.get(k) != new.get(k)]
