@@ -30,7 +30,7 @@ class FakeQuantInt4Linear(nn.Module):
 
     ``scales`` [N, n_blocks] and ``zeros`` [N, n_blocks] (float, integral values) are parameters when
     ``learn_qparams`` (the zero point then also rounds through the STE), else buffers. After
-    ``freeze_codes`` the weight is the fixed ``codes`` [N, K_padded] times the trainable scales.
+    ``freeze_codes`` the weight is the fixed ``codes`` [N, n_blocks, g] times the trainable scales.
     """
 
     def __init__(self, source: Int4Linear, learn_qparams: bool):
