@@ -275,9 +275,8 @@ def test_outlier_channels_stay_out_of_the_cast(scheme):
     plain = Fp8Linear.from_linear(lin, activation_scheme=scheme, input_scale=float(centred.abs().max()) / 448,
                                   input_shift=mean)
     assert rel_error(q(x), lin(x)) < 0.5 * rel_error(plain(x), lin(x))
-    float_form = x @ q.dequantized_weight().t() + q.dequantized_bias()
-    if scheme == "none":
-        assert torch.allclose(float_form, q(x), atol=1e-3)
+    if scheme == "none":  # no activation rounding: the float form agrees to float error
+        assert torch.allclose(x @ q.dequantized_weight().t() + q.dequantized_bias(), q(x), atol=1e-3)
     clone = Fp8Linear.empty(q.format_meta(), 64, 32, True, torch.float32)
     clone.load_state_dict(q.state_dict())
     assert q.format_meta()["outlier_channels"] == 2 and torch.equal(clone(x), q(x))
