@@ -280,7 +280,7 @@ def model_check(device, smoke: bool) -> list[dict]:
         # fp8-shift: the shift fused into the Triton cast on CUDA; fp8-outliers: cast in torch, a bf16 side product
         for fmt in ("fp8", "fp8-shift", "fp8-outliers", "int4"):
             float_model = smollm2_shaped(smoke)
-            cpu_model = convert(float_model, fmt, input_stats(float_model, ids) if "-" in fmt else None)
+            cpu_model = convert(float_model, fmt, input_stats(float_model, ids) if fmt.startswith("fp8-") else None)
             ref = cpu_model(ids)  # torch reference paths (CPU, float32)
             row = {"format": fmt, "tokens": 2 * seq, "rel_vs_float": rel(ref, float_logits)}
             if fmt != "int4":

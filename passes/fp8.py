@@ -262,8 +262,10 @@ class Fp8Pass(Pass):
                 x = args[0].detach().reshape(-1, args[0].shape[-1])  # [B*T, in]
                 stats[name]["rows"].append(x[::stride].float().clone())
                 xf = x.float() - shifts[name] if shifts else x.float()
-                cast = xf.index_fill(1, outliers[name], 0) if outliers else xf
-                stats[name]["token_amax"].append(cast.abs().amax(-1))
+                magnitude = xf.abs()  # a new tensor: the outlier channels can be zeroed in place
+                if outliers:
+                    magnitude.index_fill_(1, outliers[name], 0)
+                stats[name]["token_amax"].append(magnitude.amax(-1))
                 if o.weight_rounding == "gptq":
                     if args[0] is not last["x"]:  # `is`, and holding it, so no id is ever reused
                         last.update(x=args[0], name=name)
