@@ -41,6 +41,8 @@ def test_qat_from_an_int4_artifact_recovers_and_stays_int4(teacher_dir, tmp_path
     assert result["qat_layers"] == 14
     assert len(result["block_mse_after"]) == 2  # block-wise reconstruction ran first
     assert result["kl_after"] < result["kl_before"]
+    seen = result["trained_sample"]  # the training text's own KL is reported beside the held-out KL
+    assert seen["before"]["tokens"] == 16 * 32 and seen["after"]["kl"] < seen["before"]["kl"]
     student = load_artifact(tmp_path / "out" / "student")
     assert sum(isinstance(m, Int4Linear) for m in student.model.modules()) == 14
     assert student.manifest["modules"]["layers.0.mlp.up_proj"]["format"] == "int4"
@@ -73,6 +75,7 @@ def test_two_process_gloo_ddp_equals_one_process(teacher_dir, tmp_path, shard):
     args = ["distill", "--teacher", teacher_dir, "--student", "keep_layers:1", "--steps", 3, "--grad-accum", 2, *FAST]
     single = qcompile(*args, "-o", tmp_path / "single")
     assert single.returncode == 0, single.stderr
+    assert "train" in single.stdout  # the row for a sample of the training text, beside the held-out rows
     ddp = qcompile(*args, *shard, "-o", tmp_path / "ddp",
                    launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"))
     assert ddp.returncode == 0, ddp.stderr[-2000:]

@@ -116,7 +116,8 @@ def _print_result(console, r: dict) -> None:
     table = Table(title=f"distill: {r['steps']} steps, {r['tokens_trained']} tokens, {r['tokens_per_s']:.0f} tokens/s, {r['skipped_steps']} skipped")
     for col in ("held-out corpus", "KL before", "KL after", "top-1 before", "top-1 after", "ppl teacher", "ppl before", "ppl after"):
         table.add_column(col, justify="left" if col == "held-out corpus" else "right")
-    for name, d in r["heldout"].items():
+    rows = {**r["heldout"], "train sample": r["trained_sample"]}
+    for name, d in rows.items():
         b, a = d["before"], d["after"]
         table.add_row(name, f"{b['kl']:.4f}", f"{a['kl']:.4f}", f"{b['top1_agreement']:.3f}", f"{a['top1_agreement']:.3f}",
                       f"{a['ppl_teacher']:.3f}", f"{b['ppl_student']:.3f}", f"{a['ppl_student']:.3f}")

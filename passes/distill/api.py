@@ -25,7 +25,8 @@ from passes.distill.trainer import Distiller, TrainResult, set_gradient_checkpoi
 
 @dataclass
 class DistillOutcome:
-    metrics: dict  # kl_before/after, top1_agreement_before/after, perplexities, per held-out corpus
+    metrics: dict  # kl_before/after, top1_agreement_before/after, perplexities, per held-out corpus;
+    # the same on a sample of the training sequences (trained_sample)
     train: TrainResult
     qat_layers: int
 
@@ -34,6 +35,16 @@ def heldout_sets(tokenizer, options: DistillOptions) -> dict[str, torch.Tensor]:
     """The evaluation region of the training corpus, then of each extra ``heldout`` corpus."""
     names = [options.corpus] + [c for c in options.heldout if c != options.corpus]
     return {name: heldout_windows(tokenizer, name, options.eval_windows, options.eval_len) for name in names}
+
+
+TRAINED_SAMPLE = 16  # sequences
+
+
+def _trained_sample(sequences: torch.Tensor, options: DistillOptions) -> torch.Tensor:
+    """The first sequences of the seeded training order, which both the block phase and the end-to-end
+    steps train on first: their KL beside the held-out KL shows how much of a gain is fitting the
+    training text (overfitting shows as a gap)."""
+    return PackedLoader(sequences, options.seed).next_batch(min(TRAINED_SAMPLE, len(sequences)))
 
 
 def _summary(before: dict[str, dict], after: dict[str, dict], main: str) -> dict:
@@ -54,14 +65,17 @@ def run_distillation(teacher: Transformer, student: Transformer, tokenizer, opti
     if options.block_epochs:
         check_blockwise(teacher, student)
     sets = heldout_sets(tokenizer, options)
-    reference = {name: teacher_logits(teacher, w) for name, w in sets.items()}
-    before = {name: compare_on_windows(teacher, student, w, reference=reference[name]) for name, w in sets.items()}
-    qat_layers = make_qat_student(student, options.learn_qparams)
     pool = corpus_tokens(tokenizer, options.corpus).pool
     sequences = pack_sequences(pool, options.seq_len)
     if options.generated_sequences:
         written = teacher_sequences(teacher, pool, options.generated_sequences, options.seq_len, options.seed)
         sequences = torch.cat([sequences, written])
+    reference = {name: teacher_logits(teacher, w) for name, w in sets.items()}
+    before = {name: compare_on_windows(teacher, student, w, reference=reference[name]) for name, w in sets.items()}
+    seen = _trained_sample(sequences, options)
+    seen_reference = teacher_logits(teacher, seen)
+    seen_before = compare_on_windows(teacher, student, seen, reference=seen_reference)
+    qat_layers = make_qat_student(student, options.learn_qparams)
     resuming = resume and output_dir is not None and list_checkpoints(Path(output_dir) / "checkpoints")
     blocks = {}
     if options.block_epochs and not resuming:  # a checkpoint already holds the reconstructed blocks
@@ -80,6 +94,8 @@ def run_distillation(teacher: Transformer, student: Transformer, tokenizer, opti
     student.eval()
     after = {name: compare_on_windows(teacher, student, w, reference=reference[name]) for name, w in sets.items()}
     metrics = _summary(before, after, options.corpus)
+    metrics["trained_sample"] = {"before": seen_before,
+                                 "after": compare_on_windows(teacher, student, seen, reference=seen_reference)}
     metrics.update({"steps": result.steps, "skipped_steps": result.skipped, "tokens_trained": result.tokens,
                     "train_s": round(result.wall_s, 2), "tokens_per_s": result.tokens_per_s, "qat_layers": qat_layers,
                     "resumed_from": result.resumed_from, **blocks})
