@@ -37,14 +37,14 @@ def heldout_sets(tokenizer, options: DistillOptions) -> dict[str, torch.Tensor]:
     return {name: heldout_windows(tokenizer, name, options.eval_windows, options.eval_len) for name in names}
 
 
-TRAINED_SAMPLE = 16  # sequences
+# The first sequences of the training order, which the block phase and the end-to-end steps both
+# read first: their KL beside the held-out KL shows how much of a gain is fitting the training text.
+TRAINED_SAMPLE = 16
 
 
-def _trained_sample(sequences: torch.Tensor, options: DistillOptions) -> torch.Tensor:
-    """The first sequences of the seeded training order, which both the block phase and the end-to-end
-    steps train on first: their KL beside the held-out KL shows how much of a gain is fitting the
-    training text (overfitting shows as a gap)."""
-    return PackedLoader(sequences, options.seed).next_batch(min(TRAINED_SAMPLE, len(sequences)))
+def _first_in_order(sequences: torch.Tensor, seed: int, n: int) -> torch.Tensor:
+    """The first ``n`` sequences of the seeded training order (all of them when fewer)."""
+    return PackedLoader(sequences, seed).next_batch(min(n, len(sequences)))
 
 
 def _summary(before: dict[str, dict], after: dict[str, dict], main: str) -> dict:
@@ -70,16 +70,21 @@ def run_distillation(teacher: Transformer, student: Transformer, tokenizer, opti
     if options.generated_sequences:
         written = teacher_sequences(teacher, pool, options.generated_sequences, options.seq_len, options.seed)
         sequences = torch.cat([sequences, written])
+    seen = _first_in_order(sequences, options.seed, TRAINED_SAMPLE)
     reference = {name: teacher_logits(teacher, w) for name, w in sets.items()}
-    before = {name: compare_on_windows(teacher, student, w, reference=reference[name]) for name, w in sets.items()}
-    seen = _trained_sample(sequences, options)
     seen_reference = teacher_logits(teacher, seen)
-    seen_before = compare_on_windows(teacher, student, seen, reference=seen_reference)
+
+    def evaluate() -> tuple[dict[str, dict], dict]:
+        """The student against the teacher on each held-out set, and on the trained-on sample."""
+        return ({name: compare_on_windows(teacher, student, w, reference=reference[name]) for name, w in sets.items()},
+                compare_on_windows(teacher, student, seen, reference=seen_reference))
+
+    before, seen_before = evaluate()
     qat_layers = make_qat_student(student, options.learn_qparams)
     resuming = resume and output_dir is not None and list_checkpoints(Path(output_dir) / "checkpoints")
     blocks = {}
     if options.block_epochs and not resuming:  # a checkpoint already holds the reconstructed blocks
-        first = PackedLoader(sequences, options.seed).next_batch(min(options.block_sequences, len(sequences)))
+        first = _first_in_order(sequences, options.seed, options.block_sequences)
         blocks = reconstruct_blocks(teacher, student, first, options.block_epochs, options.block_lr,
                                     options.batch_size, options.max_grad_norm, options.seed)
         main = options.corpus  # what the blocks alone did, before end-to-end training changes it
@@ -92,10 +97,9 @@ def run_distillation(teacher: Transformer, student: Transformer, tokenizer, opti
     set_gradient_checkpointing(student, False)
     repack_int4(student)
     student.eval()
-    after = {name: compare_on_windows(teacher, student, w, reference=reference[name]) for name, w in sets.items()}
+    after, seen_after = evaluate()
     metrics = _summary(before, after, options.corpus)
-    metrics["trained_sample"] = {"before": seen_before,
-                                 "after": compare_on_windows(teacher, student, seen, reference=seen_reference)}
+    metrics["trained_sample"] = {"before": seen_before, "after": seen_after}
     metrics.update({"steps": result.steps, "skipped_steps": result.skipped, "tokens_trained": result.tokens,
                     "train_s": round(result.wall_s, 2), "tokens_per_s": result.tokens_per_s, "qat_layers": qat_layers,
                     "resumed_from": result.resumed_from, **blocks})
