@@ -40,10 +40,16 @@ STDLIB_MODULES = ("argparse", "asyncio.events", "collections", "concurrent.futur
                   "urllib.parse", "uuid", "zipfile")
 
 
-def stdlib_docs_corpus(path: Path) -> str:
-    """Module, class and function docstrings of ``STDLIB_MODULES`` -> a .txt corpus spec."""
+# Training text beside the pydoc pool (--train-docs): the docstrings of numpy, which ships with
+# qcompile's own numpy dependency; its pool is trained on, as pydoc's is. docs/BENCHMARKS.md gives
+# its n-gram overlap with both held-out regions.
+NUMPY_MODULES = ("numpy", "numpy.linalg", "numpy.random", "numpy.fft", "numpy.polynomial")
+
+
+def docstring_corpus(path: Path, modules: tuple[str, ...]) -> str:
+    """Module, class and function docstrings of ``modules`` (those defined in each) -> a .txt corpus spec."""
     parts = []
-    for name in STDLIB_MODULES:
+    for name in modules:
         module = importlib.import_module(name)
         parts.append(inspect.getdoc(module) or "")
         for attr, obj in sorted(vars(module).items()):
@@ -51,6 +57,36 @@ def stdlib_docs_corpus(path: Path) -> str:
                 doc = inspect.getdoc(obj)
                 if doc:
                     parts.append(f"{attr}\n{doc}")
+    return _write_corpus(path, parts)
+
+
+def package_docs_corpus(path: Path, modules: tuple[str, ...]) -> str:
+    """Every public callable's docstring in ``modules`` (their package's own, C-implemented ones and
+    class members too; each text once) -> a .txt corpus spec."""
+    parts, seen = [], set()
+
+    def add(label: str, obj) -> None:
+        doc = inspect.getdoc(obj)
+        if doc and doc not in seen:
+            seen.add(doc)
+            parts.append(f"{label}\n{doc}")
+
+    for name in modules:
+        module, package = importlib.import_module(name), name.split(".")[0]
+        add(name, module)
+        for attr, obj in sorted(vars(module).items()):
+            owner = getattr(obj, "__module__", None) or type(obj).__module__
+            if attr.startswith("_") or not callable(obj) or not owner.startswith(package):
+                continue
+            add(attr, obj)
+            if inspect.isclass(obj):
+                for member, value in sorted(vars(obj).items()):
+                    if not member.startswith("_") and (callable(value) or isinstance(value, property)):
+                        add(f"{attr}.{member}", value)
+    return _write_corpus(path, parts)
+
+
+def _write_corpus(path: Path, parts: list[str]) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text("\n\n".join(p for p in parts if p))
@@ -97,7 +133,8 @@ def run_qat(args, teacher, tokenizer) -> dict:
         student, label = int4_student(teacher), "RTN INT4 g128 (g64 fallback)"
     opts = _options(args, args.out / "qat", learn_qparams=args.learn_qparams, beta=args.beta,
                     block_epochs=args.block_epochs, block_sequences=args.block_sequences, block_lr=args.block_lr,
-                    generated_sequences=args.generated_sequences, e2e_params=args.e2e_params)
+                    generated_sequences=args.generated_sequences, e2e_params=args.e2e_params,
+                    train_corpora=[package_docs_corpus(args.out / "numpy-docs.txt", NUMPY_MODULES)] if args.train_docs else [])
     outcome = run_distillation(teacher, student, tokenizer, opts, args.out / "qat")
     return {"student": f"{label}, lm_head float; embeddings frozen", **outcome.metrics}
 
@@ -172,6 +209,7 @@ def main() -> None:
     p.add_argument("--block-epochs", type=int, default=0, help="qat: block-wise reconstruction first (passes per block)")
     p.add_argument("--block-sequences", type=int, default=DistillOptions.block_sequences)
     p.add_argument("--block-lr", type=float, default=DistillOptions.block_lr)
+    p.add_argument("--train-docs", action="store_true", help="qat: also train on the pool of numpy's docstrings")
     p.add_argument("--generated-sequences", type=int, default=0, help="qat: teacher-written sequences added to the pool")
     p.add_argument("--learn-qparams", action="store_true", help="qat: learn INT4 scales and zero points too")
     p.add_argument("--e2e-params", choices=("all", "scales"), default="all",
@@ -188,7 +226,7 @@ def main() -> None:
         print(json.dumps(result))
         return
     loaded = load_checkpoint("smollm2")
-    args.second = stdlib_docs_corpus(args.out / "stdlib-docs.txt") if args.what in ("qat", "half") else None
+    args.second = docstring_corpus(args.out / "stdlib-docs.txt", STDLIB_MODULES) if args.what in ("qat", "half") else None
     run = {"qat": run_qat, "half": run_half, "memory-one": run_memory_one}[args.what]
     result = {"what": args.what, "args": {k: str(v) for k, v in vars(args).items()}, **run(args, loaded.model, loaded.tokenizer)}
     if args.what != "memory-one":

@@ -11,6 +11,7 @@ import torch
 from compiler.artifact import load_artifact, save_artifact
 from compiler.checkpoint import load_checkpoint
 from compiler.int4 import Int4Linear
+from passes.distill.data import corpus_tokens
 from distill_helpers import int4_copy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,10 +35,15 @@ def test_qat_from_an_int4_artifact_recovers_and_stays_int4(teacher_dir, tmp_path
     loaded = load_checkpoint(teacher_dir)
     int4 = tmp_path / "int4"
     save_artifact(int4, int4_copy(loaded.model), loaded.tokenizer, loaded.source, {"passes": [{"name": "rtn-test"}]}, [])
+    extra = tmp_path / "extra.txt"
+    extra.write_text("More training text. " * 100)
     r = qcompile("distill", "--teacher", teacher_dir, "--student", int4, "--steps", 12, "--lr", "1e-3", *FAST,
-                 "--block-epochs", 1, "--block-sequences", 8, "--generated-sequences", 4, "-o", tmp_path / "out", "--json")
+                 "--block-epochs", 1, "--block-sequences", 8, "--generated-sequences", 4, "--train-corpus", extra,
+                 "-o", tmp_path / "out", "--json")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
+    pools = [corpus_tokens(loaded.tokenizer, c).pool for c in ("pydoc", str(extra))]
+    assert result["training_sequences"] == sum(len(p) // 32 for p in pools) + 4  # both pools, the teacher's text
     assert result["qat_layers"] == 14
     assert len(result["block_mse_after"]) == 2  # block-wise reconstruction ran first
     assert result["kl_after"] < result["kl_before"]

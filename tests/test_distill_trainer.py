@@ -240,6 +240,7 @@ def test_teacher_sequences_continue_pool_prompts_with_the_teachers_text():
     (dict(block_epochs=-1), "block_epochs must be >= 0"),
     (dict(block_lr=0.0), "block_lr must be > 0"),
     (dict(generated_sequences=-1), "generated_sequences must be >= 0"),
+    (dict(train_corpora=["pydoc"]), "train_corpora repeats a corpus"),
     (dict(e2e_params="weights"), "e2e_params"),
 ])
 def test_bad_options(bad, match):
@@ -257,3 +258,19 @@ def test_bad_model_pairs():
         Distiller(teacher, tiny_model(), random_sequences(), DistillOptions(**FAST, layer_map=[[0, 5]]))
     with pytest.raises(ConfigError, match="fewer than seq_len"):
         pack_sequences(torch.arange(10), 16)
+
+
+def test_train_corpora_add_their_pools_never_their_evaluation_regions(byte_tokenizer, tmp_path):
+    from passes.distill.api import training_sequences
+    from passes.distill.data import corpus_tokens
+
+    extra = tmp_path / "extra.txt"
+    extra.write_text("abcdefgh" * 70 + "01234567" * 30)  # its evaluation region (last 30%) is all digits
+    options = DistillOptions(seq_len=32, train_corpora=[str(extra)])
+    pool = corpus_tokens(byte_tokenizer, "pydoc").pool
+    seqs = training_sequences(byte_tokenizer, options, pool)
+    own = pack_sequences(pool, 32)
+    extra_pool = corpus_tokens(byte_tokenizer, str(extra)).pool
+    assert torch.equal(seqs[:len(own)], own) and len(seqs) == len(own) + len(extra_pool) // 32
+    digits = set(byte_tokenizer("01234567", add_special_tokens=False)["input_ids"])
+    assert not digits & set(seqs[len(own):].flatten().tolist())

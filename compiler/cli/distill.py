@@ -34,6 +34,7 @@ def distill_cmd(
     student: str = typer.Option(..., "--student", help="Student checkpoint or artifact (INT4 artifacts train as QAT), or keep_layers:0,2,4 / keep_layers:every2."),
     output: Path = typer.Option(..., "-o", "--output", help="Output folder (student/, metrics.jsonl, checkpoints/)."),
     corpus: str = typer.Option("pydoc", help="Training corpus (calib spec); its evaluation region is held out."),
+    train_corpus: list[str] = typer.Option([], "--train-corpus", help="More training text: this corpus's pool (first 70%) is added; repeatable."),
     generated_sequences: int = typer.Option(0, help="Also train on this many sequences the teacher writes from pool prompts."),
     steps: int = typer.Option(100, help="Optimizer steps (0 with --block-epochs: block-wise reconstruction only)."),
     seq_len: int = typer.Option(256, help="Tokens per packed training sequence."),
@@ -77,7 +78,7 @@ def distill_cmd(
     from passes.distill.distributed import setup_distributed
 
     options = parse_options(DistillOptions, dict(
-        teacher=teacher, student=student, corpus=corpus, generated_sequences=generated_sequences, steps=steps,
+        teacher=teacher, student=student, corpus=corpus, train_corpora=list(train_corpus), generated_sequences=generated_sequences, steps=steps,
         seq_len=seq_len, batch_size=batch_size,
         grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps, alpha=alpha, beta=beta, gamma=gamma,
         temperature=temperature, hidden_norm=hidden_norm, learn_qparams=learn_qparams, e2e_params=e2e_params,

@@ -37,6 +37,13 @@ def heldout_sets(tokenizer, options: DistillOptions) -> dict[str, torch.Tensor]:
     return {name: heldout_windows(tokenizer, name, options.eval_windows, options.eval_len) for name in names}
 
 
+def training_sequences(tokenizer, options: DistillOptions, pool: torch.Tensor) -> torch.Tensor:
+    """The packed pool of the training corpus (``pool``), then that of each of ``train_corpora``:
+    [n, seq_len]. Every evaluation region stays out."""
+    pools = [pool] + [corpus_tokens(tokenizer, c).pool for c in options.train_corpora]
+    return torch.cat([pack_sequences(p, options.seq_len) for p in pools])
+
+
 # The first sequences of the training order, which the block phase and the end-to-end steps both
 # read first: their KL beside the held-out KL shows how much of a gain is fitting the training text.
 TRAINED_SAMPLE = 16
@@ -66,7 +73,7 @@ def run_distillation(teacher: Transformer, student: Transformer, tokenizer, opti
         check_blockwise(teacher, student)
     sets = heldout_sets(tokenizer, options)
     pool = corpus_tokens(tokenizer, options.corpus).pool
-    sequences = pack_sequences(pool, options.seq_len)
+    sequences = training_sequences(tokenizer, options, pool)
     if options.generated_sequences:
         written = teacher_sequences(teacher, pool, options.generated_sequences, options.seq_len, options.seed)
         sequences = torch.cat([sequences, written])
@@ -100,7 +107,7 @@ def run_distillation(teacher: Transformer, student: Transformer, tokenizer, opti
     after, seen_after = evaluate()
     metrics = _summary(before, after, options.corpus)
     metrics["trained_sample"] = {"before": seen_before, "after": seen_after}
-    metrics.update({"steps": result.steps, "skipped_steps": result.skipped, "tokens_trained": result.tokens,
-                    "train_s": round(result.wall_s, 2), "tokens_per_s": result.tokens_per_s, "qat_layers": qat_layers,
+    metrics.update({"training_sequences": len(sequences), "steps": result.steps, "skipped_steps": result.skipped,
+                    "tokens_trained": result.tokens, "train_s": round(result.wall_s, 2), "tokens_per_s": result.tokens_per_s, "qat_layers": qat_layers,
                     "resumed_from": result.resumed_from, **blocks})
     return DistillOutcome(metrics, result, qat_layers)

@@ -29,6 +29,9 @@ class DistillOptions:
     teacher: str = ""
     student: str = ""
     corpus: str = "pydoc"
+    # More training text: the pool (first 70%) of each of these corpora is added to the training
+    # sequences; their evaluation regions stay held out like the main corpus's.
+    train_corpora: list[str] = field(default_factory=list)
     # Sequences the teacher writes (sampled from 16-token prompts cut out of the pool), added to the
     # training sequences when the pool is too small (LLM-QAT's data); 0: the pool only.
     generated_sequences: int = 0
@@ -84,6 +87,8 @@ class DistillOptions:
             raise ValueError("seq_len and eval_len must be >= 2 (a next token is predicted)")
         if self.lr <= 0 or self.block_lr <= 0:
             raise ValueError(f"lr and block_lr must be > 0, got {self.lr} and {self.block_lr}")
+        if self.corpus in self.train_corpora or len(set(self.train_corpora)) != len(self.train_corpora):
+            raise ValueError(f"train_corpora repeats a corpus ({self.train_corpora} beside corpus {self.corpus!r}); name each once")
         if self.generated_sequences < 0:
             raise ValueError(f"generated_sequences must be >= 0, got {self.generated_sequences}")
         if self.block_epochs < 0 or self.block_sequences < 1:

