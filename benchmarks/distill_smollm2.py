@@ -6,8 +6,9 @@
 
 Held-out text: the pydoc evaluation region (the training corpus's last 30%, never trained on) and
 "stdlib-docs", a corpus this script assembles from the docstrings of a fixed list of standard-library
-modules (present on any CPython 3.11; never trained on, its evaluation region is used). Results are
-written as JSON under --out and printed as one JSON line.
+modules (present on any CPython 3.11; never trained on, its evaluation region is used). With
+--train-docs the QAT run also trains on the pool of numpy's docstrings. Results are written as JSON
+under --out and printed as one JSON line.
 """
 from __future__ import annotations
 

@@ -78,8 +78,8 @@ def distill_cmd(
     from passes.distill.distributed import setup_distributed
 
     options = parse_options(DistillOptions, dict(
-        teacher=teacher, student=student, corpus=corpus, train_corpora=list(train_corpus), generated_sequences=generated_sequences, steps=steps,
-        seq_len=seq_len, batch_size=batch_size,
+        teacher=teacher, student=student, corpus=corpus, train_corpora=list(train_corpus),
+        generated_sequences=generated_sequences, steps=steps, seq_len=seq_len, batch_size=batch_size,
         grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps, alpha=alpha, beta=beta, gamma=gamma,
         temperature=temperature, hidden_norm=hidden_norm, learn_qparams=learn_qparams, e2e_params=e2e_params,
         block_epochs=block_epochs, block_sequences=block_sequences, block_lr=block_lr,

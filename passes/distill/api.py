@@ -108,6 +108,7 @@ def run_distillation(teacher: Transformer, student: Transformer, tokenizer, opti
     metrics = _summary(before, after, options.corpus)
     metrics["trained_sample"] = {"before": seen_before, "after": seen_after}
     metrics.update({"training_sequences": len(sequences), "steps": result.steps, "skipped_steps": result.skipped,
-                    "tokens_trained": result.tokens, "train_s": round(result.wall_s, 2), "tokens_per_s": result.tokens_per_s, "qat_layers": qat_layers,
+                    "tokens_trained": result.tokens, "train_s": round(result.wall_s, 2),
+                    "tokens_per_s": result.tokens_per_s, "qat_layers": qat_layers,
                     "resumed_from": result.resumed_from, **blocks})
     return DistillOutcome(metrics, result, qat_layers)

@@ -208,8 +208,8 @@ class Distiller:
 
     def _check_resumable(self, meta: dict, path: Path) -> None:
         # Settings that change what the remaining steps compute must match; eval/log settings may differ.
-        same = ("corpus", "train_corpora", "generated_sequences", "seq_len", "batch_size", "grad_accum", "lr", "min_lr_ratio",
-                "warmup_steps", "steps", "alpha", "beta", "gamma", "temperature", "hidden_norm", "seed",
+        same = ("corpus", "train_corpora", "generated_sequences", "seq_len", "batch_size", "grad_accum", "lr",
+                "min_lr_ratio", "warmup_steps", "steps", "alpha", "beta", "gamma", "temperature", "hidden_norm", "seed",
                 "learn_qparams", "e2e_params", "precision")
         old, new = meta["options"], self.options.to_dict()
         old = {**DistillOptions().to_dict(), **old}  # a setting added since the checkpoint: its default
