@@ -32,6 +32,7 @@ from compiler.checkpoint import load_checkpoint  # noqa: E402
 from compiler.int4 import Int4Linear  # noqa: E402
 from compiler.qlinear import linear_modules  # noqa: E402
 from passes.distill import DistillOptions, run_distillation  # noqa: E402
+from passes.distill.api import heldout_sets  # noqa: E402
 from passes.distill.students import keep_layers_student  # noqa: E402
 
 STDLIB_MODULES = ("argparse", "asyncio.events", "collections", "concurrent.futures", "contextlib", "csv", "dataclasses",
@@ -87,6 +88,19 @@ def package_docs_corpus(path: Path, modules: tuple[str, ...]) -> str:
     return _write_corpus(path, parts)
 
 
+def heldout_overlap(tokenizer, train: str, heldout: dict[str, torch.Tensor], n: int = 13) -> dict[str, float]:
+    """For each held-out set ([windows, T] token ids): the fraction of its ``n``-grams that occur in
+    ``train``'s pool (a contamination check; 13-grams as in GPT-3's)."""
+    from passes.distill.data import corpus_tokens
+
+    def grams(ids: list[int]) -> list[tuple]:
+        return [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+
+    seen = set(grams(corpus_tokens(tokenizer, train).pool.tolist()))
+    rows = {name: [g for w in windows.tolist() for g in grams(w)] for name, windows in heldout.items()}
+    return {name: sum(g in seen for g in gs) / len(gs) for name, gs in rows.items()}
+
+
 def _write_corpus(path: Path, parts: list[str]) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -132,12 +146,13 @@ def run_qat(args, teacher, tokenizer) -> dict:
         label = f"AWQ INT4 g128 fallback (calibration {args.awq_samples} x {args.awq_seq_len} pydoc-pool tokens)"
     else:
         student, label = int4_student(teacher), "RTN INT4 g128 (g64 fallback)"
+    train = [package_docs_corpus(args.out / "numpy-docs.txt", NUMPY_MODULES)] if args.train_docs else []
     opts = _options(args, args.out / "qat", learn_qparams=args.learn_qparams, beta=args.beta,
                     block_epochs=args.block_epochs, block_sequences=args.block_sequences, block_lr=args.block_lr,
-                    generated_sequences=args.generated_sequences, e2e_params=args.e2e_params,
-                    train_corpora=[package_docs_corpus(args.out / "numpy-docs.txt", NUMPY_MODULES)] if args.train_docs else [])
+                    generated_sequences=args.generated_sequences, e2e_params=args.e2e_params, train_corpora=train)
+    overlap = {c: heldout_overlap(tokenizer, c, heldout_sets(tokenizer, opts)) for c in train}
     outcome = run_distillation(teacher, student, tokenizer, opts, args.out / "qat")
-    return {"student": f"{label}, lm_head float; embeddings frozen", **outcome.metrics}
+    return {"student": f"{label}, lm_head float; embeddings frozen", "heldout_13gram_overlap": overlap, **outcome.metrics}
 
 
 def run_half(args, teacher, tokenizer) -> dict:
