@@ -49,7 +49,9 @@ NUMPY_MODULES = ("numpy", "numpy.linalg", "numpy.random", "numpy.fft", "numpy.po
 
 
 def docstring_corpus(path: Path, modules: tuple[str, ...]) -> str:
-    """Module, class and function docstrings of ``modules`` (those defined in each) -> a .txt corpus spec."""
+    """Module, class and function docstrings of ``modules`` (those defined in each) -> a .txt corpus spec.
+    The held-out stdlib-docs is built by this rule, unchanged, so it stays the text every recorded run
+    was measured on; ``package_docs_corpus`` gathers more per module, for training text."""
     parts = []
     for name in modules:
         module = importlib.import_module(name)
