@@ -72,6 +72,9 @@ def test_resume_refuses_changed_settings(tmp_path):
     more_data = DistillOptions(**FAST, checkpoint_every=2, generated_sequences=4)
     with pytest.raises(ConfigError, match="generated_sequences was 0, now 4"):
         Distiller(teacher, student, seqs, more_data, tmp_path).train(resume=True)
+    other_text = DistillOptions(**FAST, checkpoint_every=2, train_corpora=["extra.txt"])
+    with pytest.raises(ConfigError, match=r"train_corpora was \[\], now \['extra.txt'\]"):
+        Distiller(teacher, student, seqs, other_text, tmp_path).train(resume=True)
 
 
 def test_checkpoint_retention_keeps_the_newest(tmp_path):

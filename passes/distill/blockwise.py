@@ -76,8 +76,8 @@ def reconstruct_blocks(teacher: Transformer, student: Transformer, sequences: to
     pairs = list(zip(teacher.layers, student.layers))
     for t_block, s_block in track(pairs, "distill: block-wise reconstruction", total=len(pairs)):
         target = _map_batches(lambda x: rope.run(t_block, x), x_teacher, batch_size)
-        sample = x_student[:MSE_SAMPLE]
-        before.append(_hidden_mse(_map_batches(lambda x: rope.run(s_block, x), sample, batch_size), target[:MSE_SAMPLE]).item())
+        sample_out = _map_batches(lambda x: rope.run(s_block, x), x_student[:MSE_SAMPLE], batch_size)
+        before.append(_hidden_mse(sample_out, target[:MSE_SAMPLE]).item())
         skipped += _train_block(s_block, rope, x_student, target, epochs, lr, batch_size, max_grad_norm, gen)
         x_student = _map_batches(lambda x: rope.run(s_block, x), x_student, batch_size)
         after.append(_hidden_mse(x_student[:MSE_SAMPLE], target[:MSE_SAMPLE]).item())
