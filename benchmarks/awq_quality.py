@@ -32,10 +32,10 @@ def run_one(method: str, group_size: int, samples: int, windows: int, options: d
     """Load SmolLM2, quantize it with ``method`` (float | rtn | awq), evaluate; one JSON row."""
     import torch
 
-    from compiler.checkpoint import load_checkpoint
-    from compiler.evaluate import evaluate_perplexity
-    from compiler.int4 import Int4Linear
+    from compiler.formats.int4 import Int4Linear
+    from compiler.io.load import load_checkpoint
     from compiler.pipeline import PassContext, Pipeline, PipelineConfig
+    from compiler.pipeline.evaluate import evaluate_perplexity
     from passes.awq_plan import AWQOptions, plan_layers
 
     loaded = load_checkpoint("smollm2")

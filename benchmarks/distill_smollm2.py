@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import importlib
+import inspect
 import json
 import os
 import resource
@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compiler.checkpoint import load_checkpoint  # noqa: E402
-from compiler.int4 import Int4Linear  # noqa: E402
-from compiler.qlinear import linear_modules  # noqa: E402
+from compiler.formats.int4 import Int4Linear  # noqa: E402
+from compiler.formats.qlinear import linear_modules  # noqa: E402
+from compiler.io.load import load_checkpoint  # noqa: E402
 from passes.distill import DistillOptions, run_distillation  # noqa: E402
 from passes.distill.api import heldout_sets  # noqa: E402
 from passes.distill.students import keep_layers_student  # noqa: E402
@@ -124,7 +124,6 @@ def int4_student(teacher, group_size: int = 128, fallback: int = 64):
 def awq_student(teacher, tokenizer, samples: int, seq_len: int):
     """The AWQ pass (g128, group_size_policy "fallback": g64 where 128 does not divide K; lm_head float)."""
     import passes  # noqa: F401  (registers awq)
-    from calib import CalibrationConfig
     from compiler.pipeline import PassContext, Pipeline, PipelineConfig
 
     config = PipelineConfig.from_dict({"calibration": {"samples": samples, "seq_len": seq_len},

@@ -18,8 +18,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from compiler.fp8 import Fp8Linear, quantize_per_token
-from compiler.fp8_gemm import dequant_gemm, scaled_mm_gemm
+from compiler.formats.fp8 import Fp8Linear
+from compiler.kernels.fp8_gemm import dequant_gemm, scaled_mm_gemm
+from compiler.quant.fp8 import quantize_per_token
 
 # (name, in_features K, out_features N) of SmolLM2-135M's Linears
 SHAPES = [("q_proj / o_proj", 576, 576), ("k_proj / v_proj", 576, 192), ("gate / up", 576, 1536), ("down_proj", 1536, 576)]

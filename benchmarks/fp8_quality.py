@@ -22,12 +22,12 @@ from rich.table import Table
 
 import passes  # noqa: F401  (registers the fp8 pass)
 from calib import evaluation_windows
-from compiler.artifact import load_artifact
-from compiler.checkpoint import load_checkpoint
-from compiler.cli.report import artifact_summary
-from compiler.compile import compile_loaded
-from compiler.evaluate import corpus_split
+from compiler.io.artifact import load_artifact
+from compiler.io.load import load_checkpoint
+from compiler.io.summary import artifact_summary
 from compiler.pipeline import PipelineConfig
+from compiler.pipeline.compile import compile_loaded
+from compiler.pipeline.evaluate import corpus_split
 from passes.distill.evaluate import compare_on_windows, teacher_logits
 
 E5M2 = {"weight_dtype": "float8_e5m2", "activation_dtype": "float8_e5m2"}

@@ -32,14 +32,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from compiler.config import ModelConfig
-from compiler.fp8 import Fp8Linear, quantize, quantize_per_token, quantize_per_token_group
-import compiler.fp8_gemm
-from compiler.fp8_gemm import dequant_gemm, scaled_mm_gemm
+import compiler.kernels.fp8_gemm
+from compiler.formats.fp8 import Fp8Linear
+from compiler.formats.int4 import Int4Linear
 from compiler.kernels.fp8 import default_config, triton_fp8_gemm, triton_quantize_rows
-from compiler.int4 import Int4Linear
+from compiler.kernels.fp8_gemm import dequant_gemm, scaled_mm_gemm
 from compiler.kernels.w4a16 import w4_dequantize, w4a16_matmul
-from compiler.model import Transformer
+from compiler.model.config import ModelConfig
+from compiler.model.transformer import Transformer
+from compiler.quant.fp8 import quantize, quantize_per_token, quantize_per_token_group
 
 E4M3 = torch.float8_e4m3fn
 FP8_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "precise_acc")
@@ -273,7 +274,7 @@ def convert(model: Transformer, fmt: str, stats: dict | None = None) -> Transfor
 def model_check(device, smoke: bool) -> list[dict]:
     rows = []
     # the CPU reference is the dequantize GEMM (torch before 2.13 has no row-wise _scaled_mm on the CPU)
-    compiler.fp8_gemm.select_kernel = lambda device, grouped=False: "triton" if device.type == "cuda" else "dequant"
+    compiler.kernels.fp8_gemm.select_kernel = lambda device, grouped=False: "triton" if device.type == "cuda" else "dequant"
     for seq in (64, 200):  # 2 x 200 tokens reach Int4Linear's dequantize + cuBLAS path
         ids = torch.randint(0, 512 if smoke else 49152, (2, seq), generator=torch.Generator().manual_seed(seq))
         float_logits = smollm2_shaped(smoke)(ids)
@@ -293,7 +294,7 @@ def model_check(device, smoke: bool) -> list[dict]:
 def perturbed_gemms(model: Transformer, ids: torch.Tensor, size: float = 1e-3) -> torch.Tensor:
     """Logits with every FP8 GEMM output multiplied by (1 + size * N(0, 1)): the model's sensitivity
     to differences as small as the GPU kernel's (float32 accumulation order, Hopper's FP8 sums)."""
-    import compiler.fp8 as fp8
+    import compiler.formats.fp8 as fp8
 
     exact = fp8.fp8_gemm
     gen = torch.Generator().manual_seed(0)

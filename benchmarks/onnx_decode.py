@@ -24,11 +24,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.onnx.export import OnnxExportOptions, export_onnx  # noqa: E402
-from compiler.checkpoint import load_checkpoint  # noqa: E402
-from compiler.int4 import Int4Linear  # noqa: E402
-from compiler.kv_cache import ContiguousKVCache  # noqa: E402
-from compiler.qlinear import linear_modules  # noqa: E402
-from serving.onnx_runner import OnnxRunner  # noqa: E402
+from backends.onnx.runner import OnnxRunner  # noqa: E402
+from compiler.formats.int4 import Int4Linear  # noqa: E402
+from compiler.formats.qlinear import linear_modules  # noqa: E402
+from compiler.io.load import load_checkpoint  # noqa: E402
+from compiler.model.kv_cache import ContiguousKVCache  # noqa: E402
 
 PROMPT_LEN = 32
 GROUP = 64

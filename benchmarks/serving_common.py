@@ -10,7 +10,7 @@ from calib import load_corpus_text
 
 def load_model(spec: str):
     """A checkpoint or artifact (``smollm2`` is the built-in SmolLM2-135M)."""
-    from compiler.checkpoint import load_checkpoint
+    from compiler.io.load import load_checkpoint
 
     return load_checkpoint(spec)
 

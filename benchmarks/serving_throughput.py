@@ -19,7 +19,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from serving_common import corpus_prompts, hf_generate_one_at_a_time, hf_twin, load_model, run_engine  # noqa: E402
+from serving_common import (  # noqa: E402
+    corpus_prompts,
+    hf_generate_one_at_a_time,
+    hf_twin,
+    load_model,
+    run_engine,
+)
 
 
 def main(argv=None) -> dict:

@@ -32,7 +32,7 @@ from serving.types import SamplingParams  # noqa: E402
 
 def make_prompts(artifact: Path, n: int, length: int) -> list[list[int]]:
     from calib import load_corpus_text
-    from compiler.checkpoint import load_tokenizer
+    from compiler.io.types import load_tokenizer
 
     ids = load_tokenizer(artifact)(load_corpus_text("pydoc")[:200_000])["input_ids"]
     stride = max(length, (len(ids) - length) // n)
@@ -79,8 +79,13 @@ def in_process(artifact: Path, prompts, params, args) -> dict:
 
 def through_triton(artifact: Path, prompts, params, args) -> dict[str, dict]:
     import backends  # noqa: F401
-    from backends.triton.runtime import ServerOptions, TritonServer, free_port, prepare_runtime
-    from compiler.lowering import lower
+    from backends.triton.runtime import (
+        ServerOptions,
+        TritonServer,
+        free_port,
+        prepare_runtime,
+    )
+    from compiler.deploy.lowering import lower
     from serving.adapters.triton_grpc import TritonGrpcAdapter
     from serving.adapters.triton_http import TritonHttpAdapter
 

@@ -39,8 +39,9 @@ wrk.body = [[{body}]]
 def tiny_artifact(root: Path) -> Path:
     """A tiny random Llama + byte tokenizer compiled to an artifact (as the Triton tests build)."""
     from conftest import make_byte_tokenizer, make_hf_model
-    from compiler.compile import compile_model
+
     from compiler.pipeline import PipelineConfig
+    from compiler.pipeline.compile import compile_model
 
     tok = make_byte_tokenizer()
     make_hf_model("llama", vocab_size=len(tok), max_position_embeddings=256).save_pretrained(root / "ckpt")
@@ -50,8 +51,13 @@ def tiny_artifact(root: Path) -> Path:
 
 def start_server(artifact: Path, root: Path):
     import backends  # noqa: F401  (registers the triton target)
-    from backends.triton.runtime import ServerOptions, TritonServer, free_port, prepare_runtime
-    from compiler.lowering import lower
+    from backends.triton.runtime import (
+        ServerOptions,
+        TritonServer,
+        free_port,
+        prepare_runtime,
+    )
+    from compiler.deploy.lowering import lower
 
     prepare_runtime()
     repo = lower(artifact, "triton", root / "repo", {"name": MODEL})
@@ -61,7 +67,7 @@ def start_server(artifact: Path, root: Path):
 
 def the_request(artifact: Path, prompt_len: int, output_len: int):
     """One request of the synthetic workload: real corpus tokens, greedy, EOS ignored."""
-    from compiler.checkpoint import load_tokenizer
+    from compiler.io.types import load_tokenizer
     from serving.bench.workload import LengthDist, WorkloadConfig, build_requests
 
     config = WorkloadConfig(LengthDist("fixed", prompt_len), LengthDist("fixed", output_len))

@@ -3,8 +3,14 @@
 The bottom layer: it imports nothing from the rest of qcompile.
 """
 from calib.corpus import CorpusError, load_corpus_text
-from calib.protocol import CalibrationConfig, TokenSplit, calibration_windows, evaluation_windows, split_tokens
 from calib.perplexity import perplexity
+from calib.protocol import (
+    CalibrationConfig,
+    TokenSplit,
+    calibration_windows,
+    evaluation_windows,
+    split_tokens,
+)
 
 __all__ = [
     "CorpusError",

@@ -34,13 +34,28 @@ from dataclasses import replace
 
 import torch
 
+from compiler.deploy.targets import get_target
 from compiler.errors import ConfigError
-from compiler.int4 import Int4Linear
+from compiler.formats.int4 import Int4Linear
 from compiler.pipeline import Pass, PassContext, PassReport, register_pass
 from compiler.progress import track
-from compiler.targets import get_target
-from passes.awq_plan import NO_CLIP, SCALING_GROUPS, AWQOptions, LayerPlan, ScalingGroup, plan_layers, smaller_groups
-from passes.awq_search import InputStats, quant_error, rank_scales, relative_error, search_clip, weight_mean
+from passes.awq_plan import (
+    NO_CLIP,
+    SCALING_GROUPS,
+    AWQOptions,
+    LayerPlan,
+    ScalingGroup,
+    plan_layers,
+    smaller_groups,
+)
+from passes.awq_search import (
+    InputStats,
+    quant_error,
+    rank_scales,
+    relative_error,
+    search_clip,
+    weight_mean,
+)
 from passes.gptq import gptq_int4
 
 

@@ -13,11 +13,11 @@ from typing import Literal
 
 import torch
 
-from compiler.config import ModelConfig
 from compiler.errors import ConfigError
-from compiler.int4 import GROUP_SIZES, padded_width
-from compiler.model import Transformer
-from compiler.qlinear import linear_modules
+from compiler.formats.qlinear import linear_modules
+from compiler.model.config import ModelConfig
+from compiler.model.transformer import Transformer
+from compiler.quant.int4 import GROUP_SIZES, padded_width
 
 
 @dataclass

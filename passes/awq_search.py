@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from compiler.int4 import QMAX, SYMMETRIC_ZERO, pad_columns
+from compiler.quant.int4 import QMAX, SYMMETRIC_ZERO, pad_columns
 
 
 class InputStats:
@@ -52,7 +52,7 @@ def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
 
 
 def fast_fake_quantize(w: torch.Tensor, group_size: int, zero_point: bool, clip_ratio=1.0) -> torch.Tensor:
-    """``compiler.int4.fake_quantize`` for float32 ``w`` [N, K] (K a multiple of the group), with
+    """``compiler.quant.int4.fake_quantize`` for float32 ``w`` [N, K] (K a multiple of the group), with
     fewer passes over memory: the searches call it hundreds of times per block. Same result."""
     n, k = w.shape
     x = w.view(n, k // group_size, group_size)

@@ -24,7 +24,7 @@ channels are those of largest mean square of what would be cast);
 the columns not yet rounded; weight scales stay the abs-max ones), measure its relative
 output error on the sampled rows and keep it in float if that exceeds ``max_layer_error`` (a
 recorded decision, never silent); (3) install the FP8 KV rounding and record its scales in the
-manifest's ``kv_cache`` entry for the engine. Formats and buffers: ``compiler/fp8.py``.
+manifest's ``kv_cache`` entry for the engine. Formats and buffers: ``compiler/formats/fp8.py``.
 """
 from __future__ import annotations
 
@@ -36,14 +36,22 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-from compiler.config import ModelConfig
 from compiler.errors import ConfigError
-from compiler.fp8 import FP8_DTYPES, Fp8DtypeName, Fp8Linear, dequantize, fp8_max, quantize, weight_scale
-from compiler.fp8_kv import KVObserver, install_kv_quant, kv_cache_entry
-from compiler.model import Transformer
+from compiler.formats.fp8 import Fp8Linear
+from compiler.formats.fp8_kv import KVObserver, install_kv_quant, kv_cache_entry
+from compiler.formats.qlinear import linear_modules
+from compiler.model.config import ModelConfig
+from compiler.model.transformer import Transformer
 from compiler.pipeline import Pass, PassContext, PassReport, register_pass
 from compiler.progress import track
-from compiler.qlinear import linear_modules
+from compiler.quant.fp8 import (
+    FP8_DTYPES,
+    Fp8DtypeName,
+    dequantize,
+    fp8_max,
+    quantize,
+    weight_scale,
+)
 from passes.gptq import gptq_round
 
 

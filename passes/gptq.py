@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from compiler.int4 import QMAX, Int4Linear, choose_qparams, pad_columns, quantize
-
+from compiler.formats.int4 import Int4Linear
+from compiler.quant.int4 import QMAX, choose_qparams, pad_columns, quantize
 
 RoundColumns = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

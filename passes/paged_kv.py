@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from compiler.deploy.serving_plan import KV_DTYPES, ServingPlan, bytes_per_block
 from compiler.errors import ConfigError
 from compiler.pipeline import Pass, PassContext, PassReport, register_pass
-from compiler.serving_plan import KV_DTYPES, ServingPlan, bytes_per_block
 
 
 @register_pass

@@ -21,9 +21,9 @@ from typing import AsyncIterator
 
 import torch
 
-from compiler.checkpoint import LoadedModel
+from compiler.deploy.serving_plan import ServingPlan
 from compiler.errors import ConfigError
-from compiler.serving_plan import ServingPlan
+from compiler.io.types import LoadedModel
 from serving.engine_setup import build_kv_cache
 from serving.kv_manager import KVCacheManager
 from serving.paged_cache import BatchMetadata, PagedKVCache, PrefillSeq
@@ -66,7 +66,7 @@ class Engine:
     @classmethod
     def from_artifact(cls, path: str | Path, device: str | None = None, **plan_overrides) -> "Engine":
         """Load a compiled artifact and serve it with its recorded serving plan (defaults when absent)."""
-        from compiler.artifact import load_artifact
+        from compiler.io.artifact import load_artifact
 
         return cls.from_loaded(load_artifact(path), device, **plan_overrides)
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from compiler.deploy.serving_plan import KV_DTYPES, ServingPlan, bytes_per_block
 from compiler.errors import ArtifactError
-from compiler.fp8_kv import parse_kv_scales
-from compiler.serving_plan import KV_DTYPES, ServingPlan, bytes_per_block
+from compiler.formats.fp8_kv import parse_kv_scales
 from serving.paged_cache import KVCacheSpec, PagedKVCache
 
 

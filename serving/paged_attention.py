@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compiler.kv_cache import attention_mask
+from compiler.model.kv_cache import attention_mask
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

@@ -1,4 +1,4 @@
-"""The paged KV cache the model's attention talks to (``compiler.kv_cache.KVCache``).
+"""The paged KV cache the model's attention talks to (``compiler.model.kv_cache.KVCache``).
 
 The engine runs the model on one flattened batch ``[1, total_tokens]`` holding, per scheduled
 sequence, its next tokens (one for a decode, a chunk for a prefill) with their absolute
@@ -14,8 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compiler.serving_plan import bytes_per_block
-from serving.paged_attention import paged_decode_reference, paged_prefill_reference, quantize_kv
+from compiler.deploy.serving_plan import bytes_per_block
+from compiler.kernels import triton_available
+from serving.paged_attention import (
+    paged_decode_reference,
+    paged_prefill_reference,
+    quantize_kv,
+)
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,6 @@ class PagedKVCache:
             raise ValueError("an FP8 KV cache needs per-layer k_scales and v_scales")
         self.sliding_window = sliding_window
         if use_triton is None and self.device.type == "cuda":
-            from serving.triton_paged import triton_available
-
             use_triton = triton_available()
         self.use_triton = bool(use_triton)
         self.meta: BatchMetadata | None = None
@@ -123,7 +126,7 @@ class PagedKVCache:
 
     def _decode_fn(self):
         if self.use_triton:
-            from serving.triton_paged import paged_decode_triton
+            from compiler.kernels.paged_decode import paged_decode_triton
 
             return paged_decode_triton
         return paged_decode_reference

@@ -7,10 +7,35 @@ import pytest
 import torch
 
 os.environ.setdefault("QCOMPILE_PROGRESS", "0")
-# OpenAI Triton kernels run in the interpreter on this CPU-only machine. It must be set before any
-# module decorates a kernel with @triton.jit, so it is set here, before the tests import anything.
-# On a GPU host run with TRITON_INTERPRET=0 to test the compiled kernels.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+HAS_CUDA = torch.cuda.is_available()
+# Without a GPU, OpenAI Triton kernels run in its interpreter on CPU tensors; with one they run
+# compiled. It must be set before any module decorates a kernel with @triton.jit, so it is set
+# here, before the tests import anything.
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+KERNEL_DEVICE = "cuda" if HAS_CUDA and os.environ.get("TRITON_INTERPRET", "0") != "1" else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` (optionally ``gpu(capability=(9, 0))``): skipped, with the reason, where
+    no such CUDA device is visible, so ``pytest -m gpu`` on a GPU host runs them as one step."""
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        need = tuple(marker.kwargs.get("capability", (0, 0)))
+        if not HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (none visible)"))
+        elif torch.cuda.get_device_capability() < need:
+            have = torch.cuda.get_device_capability()
+            item.add_marker(pytest.mark.skip(reason=f"needs compute capability {need}, this GPU has {have}"))
+
+
+@pytest.fixture
+def kernel_device() -> str:
+    """Where a Triton kernel under test runs: a CUDA GPU when there is one (compiled), else the CPU
+    (the interpreter)."""
+    return KERNEL_DEVICE
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -51,7 +76,7 @@ def tiny_checkpoint(tmp_path):
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M (GGUF Q4_1 dequantized to float32), loaded once per session."""
-    from compiler.checkpoint import load_checkpoint
+    from compiler.io.load import load_checkpoint
 
     return load_checkpoint("smollm2")
 

@@ -3,10 +3,10 @@ import copy
 
 import torch
 
-from compiler.config import ModelConfig
-from compiler.int4 import Int4Linear
-from compiler.model import Transformer
-from compiler.qlinear import linear_modules
+from compiler.formats.int4 import Int4Linear
+from compiler.formats.qlinear import linear_modules
+from compiler.model.config import ModelConfig
+from compiler.model.transformer import Transformer
 
 
 def tiny_model(seed: int = 0, dim: int = 32, n_layers: int = 2, vocab: int = 64, tie: bool = False) -> Transformer:

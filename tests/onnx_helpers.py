@@ -5,12 +5,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from compiler.artifact import load_artifact, save_artifact
-from compiler.checkpoint import SourceInfo, load_checkpoint
-from compiler.int4 import Int4Linear
-from compiler.qlinear import linear_modules
 from conftest import make_hf_model
+
+from compiler.formats.int4 import Int4Linear
+from compiler.formats.qlinear import linear_modules
+from compiler.io.artifact import load_artifact, save_artifact
+from compiler.io.load import load_checkpoint
+from compiler.io.types import SourceInfo
 
 
 def make_artifact(tmp_path: Path, arch: str = "llama", int4_group: int | None = None, tokenizer=None, **overrides) -> Path:

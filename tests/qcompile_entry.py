@@ -1,3 +1,3 @@
-from compiler.cli import main
+from qcompile.cli import main
 
 main()

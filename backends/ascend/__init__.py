@@ -1,8 +1,8 @@
 """Ascend lowering through ATC (``.om``) with msModelSlim W4A16 weights, and the ``ascend`` target."""
 from dataclasses import dataclass
 
-from compiler.lowering import register_lowering
-from compiler.targets import TargetSpec, register_target
+from compiler.deploy.lowering import register_lowering
+from compiler.deploy.targets import TargetSpec, register_target
 
 
 def _check(module: str, fmt: dict) -> str | None:
@@ -30,8 +30,8 @@ class AscendLowerOptions:
 def _lower(artifact, out, options: dict, force: bool):
     from backends.ascend.atc import DEFAULT_BUCKETS, AtcOptions
     from backends.ascend.lower import lower_ascend
+    from compiler.deploy.lowering import load_for_target
     from compiler.errors import ConfigError
-    from compiler.lowering import load_for_target
     from compiler.options import parse_options
 
     opts = parse_options(AscendLowerOptions, options, "--target ascend")

@@ -14,14 +14,26 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from backends.ascend.atc import SCRIPT, AtcNotFound, AtcOptions, build_script, find_atc, run_atc
+from backends.ascend.atc import (
+    SCRIPT,
+    AtcNotFound,
+    AtcOptions,
+    build_script,
+    find_atc,
+    run_atc,
+)
 from backends.ascend.msmodelslim import export_w4a16
 from backends.ascend.ops import require_supported
-from backends.onnx.export import OnnxExportOptions, bundle_info, export_graphs, write_bundle_files
-from compiler.artifact import atomic_directory_write
-from compiler.checkpoint import LoadedModel
-from compiler.int4 import Int4Linear
-from compiler.qlinear import quantized_modules
+from backends.onnx.export import (
+    OnnxExportOptions,
+    bundle_info,
+    export_graphs,
+    write_bundle_files,
+)
+from compiler.formats.int4 import Int4Linear
+from compiler.formats.qlinear import quantized_modules
+from compiler.io.atomic import atomic_directory_write
+from compiler.io.types import LoadedModel
 
 
 @dataclass

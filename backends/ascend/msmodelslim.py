@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 
 from compiler.errors import ArtifactError, ConfigError
-from compiler.int4 import SYMMETRIC_ZERO, Int4Linear
-from compiler.model import Transformer
-from compiler.qlinear import QuantizedLinear
+from compiler.formats.int4 import Int4Linear
+from compiler.formats.qlinear import QuantizedLinear
+from compiler.model.transformer import Transformer
+from compiler.quant.int4 import SYMMETRIC_ZERO
 
 WEIGHT_FILE = "quant_model_weight_w4a16.safetensors"
 DESCRIPTION_FILE = "quant_model_description_w4a16.json"

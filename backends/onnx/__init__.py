@@ -1,8 +1,8 @@
 """ONNX export (prefill + decode graphs, KV cache as explicit I/O) and the ``onnx`` target."""
 from dataclasses import dataclass
 
-from compiler.lowering import register_lowering
-from compiler.targets import TargetSpec, register_target
+from compiler.deploy.lowering import register_lowering
+from compiler.deploy.targets import TargetSpec, register_target
 
 # MatMulNBits takes any power-of-two block size >= 16; our INT4 format uses 32..256.
 MATMULNBITS_BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -24,7 +24,7 @@ class OnnxLowerOptions:
 
 def _lower(artifact, out, options: dict, force: bool):
     from backends.onnx.export import OnnxExportOptions, default_dtype, export_onnx
-    from compiler.lowering import load_for_target
+    from compiler.deploy.lowering import load_for_target
     from compiler.options import parse_options
 
     opts = parse_options(OnnxLowerOptions, options, "--target onnx")

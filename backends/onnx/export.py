@@ -1,4 +1,4 @@
-"""Export a loaded artifact as the two-graph ONNX bundle (see ``compiler/onnx_bundle.py``).
+"""Export a loaded artifact as the two-graph ONNX bundle (see ``backends/onnx/bundle.py``).
 
 Both graphs reference one external-data file: the prefill graph is saved first with its
 weights moved to ``weights.data``, and the decode graph's weight initializers are replaced by
@@ -12,14 +12,14 @@ from pathlib import Path
 import onnx
 import torch
 
+from backends.onnx.bundle import DECODE_FILE, PREFILL_FILE, WEIGHTS_FILE, OnnxBundleInfo
 from backends.onnx.graph import GraphSpec, build_graph
-from compiler.artifact import atomic_directory_write
-from compiler.checkpoint import LoadedModel
 from compiler.errors import ConfigError
-from compiler.int4 import Int4Linear
-from compiler.model import Transformer
-from compiler.onnx_bundle import DECODE_FILE, PREFILL_FILE, WEIGHTS_FILE, OnnxBundleInfo
-from compiler.qlinear import quantized_modules
+from compiler.formats.int4 import Int4Linear
+from compiler.formats.qlinear import quantized_modules
+from compiler.io.atomic import atomic_directory_write
+from compiler.io.types import LoadedModel
+from compiler.model.transformer import Transformer
 
 EXTERNAL_THRESHOLD = 1024  # bytes: tensors above this go to weights.data
 

@@ -23,9 +23,9 @@ import torch
 import torch.nn as nn
 from onnx import TensorProto, helper, numpy_helper
 
-from compiler.int4 import Int4Linear
-from compiler.model import Transformer
-from compiler.qlinear import QuantizedLinear
+from compiler.formats.int4 import Int4Linear
+from compiler.formats.qlinear import QuantizedLinear
+from compiler.model.transformer import Transformer
 
 OPSET = 17
 MS_DOMAIN = "com.microsoft"

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from compiler.int4 import GROUP_SIZES
-from compiler.lowering import register_lowering
+from compiler.deploy.lowering import register_lowering
+from compiler.deploy.targets import TargetSpec, register_target
 from compiler.options import parse_options
-from compiler.targets import TargetSpec, register_target
+from compiler.quant.int4 import GROUP_SIZES
 
 # Weight format -> allowed group sizes (None: the format has no groups).
 SUPPORTED: dict[str, tuple[int, ...] | None] = {
-    "int4": GROUP_SIZES,  # AWQ's packed INT4 (compiler/int4.py), every group size its kernels take
-    "fp8": None,  # E4M3/E5M2 weights, with or without FP8 activations (compiler/fp8.py)
+    "int4": GROUP_SIZES,  # AWQ's packed INT4 (compiler/formats/int4.py), every group size its kernels take
+    "fp8": None,  # E4M3/E5M2 weights, with or without FP8 activations (compiler/formats/fp8.py)
 }
 
 

@@ -3,7 +3,8 @@
     REPO/
       <name>/
         config.pbtxt        Python backend, decoupled, generate-extension inputs/outputs
-        1/model.py          backends/triton/model.py, copied: loads the engine once
+        1/model.py          an entry importing ``serving.triton_backend.TritonPythonModel``,
+                            which loads the engine once
         1/artifact/         the artifact (hard links where possible), so the repository is
                             self-contained and can be baked into a container image
 
@@ -18,10 +19,23 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from compiler.artifact import atomic_directory_write, read_manifest
-from compiler.targets import check_formats
+from compiler.deploy.targets import check_formats
+from compiler.io.artifact import read_manifest
+from compiler.io.atomic import atomic_directory_write
 
-MODEL_SOURCE = Path(__file__).with_name("model.py")
+# The repository's model.py: the model itself lives in the serving layer (serving/triton_backend.py),
+# which this layer may not import; the server's Python imports it at load time. The Python-backend
+# stub ignores PYTHONPATH, so the server launcher passes qcompile's path in QCOMPILE_PYTHONPATH.
+MODEL_ENTRY = '''"""Written by 'qcompile lower --target triton': the qcompile engine behind Triton's Python backend."""
+import os
+import sys
+
+for _p in reversed(os.environ.get("QCOMPILE_PYTHONPATH", "").split(":")):
+    if _p and _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from serving.triton_backend import TritonPythonModel  # noqa: E402,F401
+'''
 # Triton instance kind per device: it has no NPU kind, so on Ascend the model places itself (KIND_MODEL).
 DEVICES = {"cpu": "KIND_CPU", "cuda": "KIND_GPU", "npu": "KIND_MODEL"}
 
@@ -133,7 +147,7 @@ def lower_triton(artifact: str | Path, out: str | Path, opts: LowerOptions = Low
         version = tmp / "1"
         version.mkdir()
         shutil.copytree(artifact, version / "artifact", copy_function=_link_or_copy)
-        shutil.copy2(MODEL_SOURCE, version / "model.py")
+        (version / "model.py").write_text(MODEL_ENTRY)
         (tmp / "config.pbtxt").write_text(config_pbtxt(name, opts, manifest, "artifact"))
 
     Path(out).mkdir(parents=True, exist_ok=True)

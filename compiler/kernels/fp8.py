@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compiler.fp8 import MIN_SCALE, fp8_max
+from compiler.quant.fp8 import MIN_SCALE, fp8_max
 
 
 @triton.jit
@@ -130,7 +130,7 @@ def triton_quantize_rows(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tenso
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (less ``shift`` [K], in float32, when given) -> FP8 codes [M, K] and scales: per row
     [M] when ``scale`` is None (dynamic), else the given static scale [1]. Same contract as
-    ``compiler.fp8.quantize_per_token`` / ``quantize`` of ``x.float() - shift``. A float32 ``out``
+    ``compiler.quant.fp8.quantize_per_token`` / ``quantize`` of ``x.float() - shift``. A float32 ``out``
     receives the saturated values before their rounding to ``dtype`` (for tests: Triton's
     interpreter does not round float32 to FP8 exactly as GPUs do)."""
     x = x.contiguous()

@@ -1,5 +1,5 @@
 """W4A16 GEMM in OpenAI Triton: y = x @ dequant(W)^T (+ bias), reading ``Int4Linear``'s packed
-MatMulNBits layout directly (see ``compiler/int4.py``).
+MatMulNBits layout directly (see ``compiler/formats/int4.py``).
 
 Within a row the blocks are contiguous, so element k of row n sits in byte ``n * Kp/2 + k // 2``
 (low nibble for even k), its scale at ``n * n_blocks + k // g`` and its zero point in byte

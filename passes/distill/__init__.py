@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from compiler.formats.qlinear import quantized_modules
 from compiler.pipeline import Pass, PassContext, PassReport, register_pass
-from compiler.qlinear import quantized_modules
 from passes.distill.api import run_distillation
 from passes.distill.config import DistillOptions
 from passes.distill.errors import DistillConfigError
@@ -24,7 +24,7 @@ __all__ = ["DistillPass", "DistillOptions", "run_distillation"]
 
 def load_teacher(spec: str):
     """The float teacher model from a checkpoint path or built-in name."""
-    from compiler.checkpoint import load_checkpoint
+    from compiler.io.load import load_checkpoint
 
     loaded = load_checkpoint(spec, "float32")
     if quantized_modules(loaded.model):

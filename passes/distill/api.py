@@ -11,16 +11,27 @@ from typing import Callable
 
 import torch
 
-from compiler.int4 import Int4Linear
-from compiler.model import Transformer
+from compiler.formats.int4 import Int4Linear
+from compiler.model.transformer import Transformer
 from passes.distill.blockwise import check_blockwise, reconstruct_blocks
 from passes.distill.checkpoint import list_checkpoints
 from passes.distill.config import DistillOptions
-from passes.distill.data import PackedLoader, corpus_tokens, heldout_windows, pack_sequences, teacher_sequences
+from passes.distill.data import (
+    PackedLoader,
+    corpus_tokens,
+    heldout_windows,
+    pack_sequences,
+    teacher_sequences,
+)
 from passes.distill.errors import DistillConfigError
 from passes.distill.evaluate import compare_on_windows, teacher_logits
 from passes.distill.students import freeze_codes, make_qat_student, repack_int4
-from passes.distill.trainer import Distiller, TrainResult, set_gradient_checkpointing, unshard_student
+from passes.distill.trainer import (
+    Distiller,
+    TrainResult,
+    set_gradient_checkpointing,
+    unshard_student,
+)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from compiler.model import Transformer
+from compiler.model.transformer import Transformer
 from compiler.progress import track
 from passes.distill.errors import DistillConfigError
 from passes.distill.loss import normalized_mse

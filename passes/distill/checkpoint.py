@@ -7,7 +7,7 @@
                              optimizer param groups, python/numpy RNG states, the options
 
 Each checkpoint directory is written to a hidden temp directory and renamed into place
-(``compiler.artifact.atomic_directory_write``), so a crash never leaves a half-written one that
+(``compiler.io.atomic.atomic_directory_write``), so a crash never leaves a half-written one that
 looks complete; after a save only the newest ``keep`` are kept.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from compiler.artifact import atomic_directory_write
 from compiler.errors import CheckpointError
+from compiler.io.atomic import atomic_directory_write
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 SEP = "::"

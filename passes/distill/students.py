@@ -15,8 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from compiler.int4 import QMAX, Int4Linear, pad_columns, quantize
-from compiler.model import Transformer
+from compiler.formats.int4 import Int4Linear
+from compiler.model.transformer import Transformer
+from compiler.quant.int4 import QMAX, pad_columns, quantize
 from passes.distill.errors import DistillConfigError
 
 

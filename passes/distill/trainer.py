@@ -22,12 +22,23 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from compiler.model import Transformer, rope_inv_freq
+from compiler.model.transformer import Transformer, rope_inv_freq
 from compiler.progress import make_progress
-from passes.distill.checkpoint import list_checkpoints, load_checkpoint_dir, save_checkpoint, set_rng_state
+from passes.distill.checkpoint import (
+    list_checkpoints,
+    load_checkpoint_dir,
+    save_checkpoint,
+    set_rng_state,
+)
 from passes.distill.config import DistillOptions
 from passes.distill.data import DataPosition, PackedLoader
-from passes.distill.distributed import DistEnv, all_mean, barrier, setup_distributed, wrap_for_training
+from passes.distill.distributed import (
+    DistEnv,
+    all_mean,
+    barrier,
+    setup_distributed,
+    wrap_for_training,
+)
 from passes.distill.errors import DistillConfigError, TrainingDivergedError
 from passes.distill.loss import HiddenProjections, distill_loss
 from passes.distill.students import default_layer_map
@@ -168,7 +179,10 @@ class Distiller:
         return None if self.output_dir is None else self.output_dir / "checkpoints"
 
     def _full_state(self) -> tuple[dict, dict]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+        )
 
         return get_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
@@ -191,7 +205,10 @@ class Distiller:
         found = list_checkpoints(self.checkpoint_root) if self.checkpoint_root else []
         if not found:
             return None
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_state_dict,
+        )
 
         model_state, optim_state, meta, rng = load_checkpoint_dir(found[-1])
         self._check_resumable(meta, found[-1])
@@ -308,7 +325,10 @@ class Distiller:
 
 def unshard_student(distiller: "Distiller") -> Transformer:
     """After FSDP training: gather the full weights into the student's own (unsharded) modules, in place."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     student = distiller.student
     if distiller._skeleton is None:

@@ -19,9 +19,9 @@ from typing import AsyncIterator, Callable, Protocol
 
 import numpy as np
 
-from compiler.checkpoint import load_tokenizer
+from backends.onnx.bundle import OnnxBundleInfo
 from compiler.errors import ArtifactError, ConfigError, QCompileError
-from compiler.onnx_bundle import OnnxBundleInfo
+from compiler.io.types import load_tokenizer
 from serving.adapters._stream import encode, stream_tokens
 from serving.types import SamplingParams, StreamEvent
 

@@ -11,9 +11,9 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from compiler.checkpoint import load_tokenizer
+from backends.onnx.runner import OnnxRunner
+from compiler.io.types import load_tokenizer
 from serving.adapters._stream import encode, stream_tokens
-from serving.onnx_runner import OnnxRunner
 from serving.types import SamplingParams, StreamEvent
 
 

@@ -6,7 +6,11 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from serving.adapters.triton_common import TritonRequestError, event_from_fields, request_fields
+from serving.adapters.triton_common import (
+    TritonRequestError,
+    event_from_fields,
+    request_fields,
+)
 from serving.types import SamplingParams, StreamEvent
 
 # generate-extension field -> (Triton datatype, numpy dtype)

@@ -4,7 +4,11 @@ from __future__ import annotations
 import json
 from typing import AsyncIterator
 
-from serving.adapters.triton_common import TritonRequestError, event_from_fields, request_fields
+from serving.adapters.triton_common import (
+    TritonRequestError,
+    event_from_fields,
+    request_fields,
+)
 from serving.types import SamplingParams, StreamEvent
 
 

@@ -1,0 +1,144 @@
+"""INT4 weight-only format (W4A16): packing and ``Int4Linear``.
+
+Layout — chosen to be ONNX Runtime's com.microsoft ``MatMulNBits`` (bits=4, block_size=g)
+byte for byte, so that lowering is a reshape, never a re-quantization:
+
+    K = in_features, N = out_features, g = group_size, n_blocks = ceil(K / g)
+    qweight  uint8 [N, n_blocks, g // 2]  two 4-bit codes per byte, element k of row n lives in
+                                          block k // g, byte (k % g) // 2; even k in the low
+                                          nibble, odd k in the high nibble. K is zero-padded up
+                                          to n_blocks * g (padded codes equal the zero point).
+    scales   dtype [N, n_blocks]          model dtype (float32 / float16 / bfloat16)
+    qzeros   uint8 [N, ceil(n_blocks / 2)] 4-bit zero points, low nibble first; symmetric
+                                          quantization stores 8 (MatMulNBits' default).
+    bias     dtype [N]                    optional
+
+    w[n, k] = (q[n, k] - z[n, k // g]) * s[n, k // g]
+
+The primitives (choose qparams, quantize, dequantize) are in ``compiler/quant/int4.py``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from compiler.formats.qlinear import QuantizedLinear, register_format
+from compiler.kernels import triton_available
+from compiler.quant.int4 import (
+    SYMMETRIC_ZERO,
+    choose_qparams,
+    dequantize,
+    pad_columns,
+    quantize,
+)
+
+# From this many tokens on, a CUDA forward dequantizes W (a Triton kernel) and calls cuBLAS instead
+# of the fused W4A16 kernel, which is faster up to 128 tokens and slower at 2048 (docs/BENCHMARKS.md,
+# "GPU kernels on an H200"; the crossover between the two was not measured).
+DEQUANT_MIN_TOKENS = 256
+
+
+def pack_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Codes [N, K] -> qweight uint8 [N, K // g, g // 2] (MatMulNBits B layout)."""
+    N, K = q.shape
+    pairs = q.view(N, K // 2, 2)
+    packed = pairs[..., 0] | (pairs[..., 1] << 4)
+    return packed.view(N, K // group_size, group_size // 2)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """qweight [N, n_blocks, g // 2] -> codes uint8 [N, n_blocks * g]."""
+    N = qweight.shape[0]
+    low, high = qweight & 0x0F, qweight >> 4
+    return torch.stack((low, high), dim=-1).view(N, -1)
+
+
+def pack_zeros(zero: torch.Tensor) -> torch.Tensor:
+    """Zero points [N, n_blocks] -> uint8 [N, ceil(n_blocks / 2)], low nibble first."""
+    if zero.shape[1] % 2:
+        zero = F.pad(zero, (0, 1), value=SYMMETRIC_ZERO)
+    pairs = zero.view(zero.shape[0], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_zeros(qzeros: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    low, high = qzeros & 0x0F, qzeros >> 4
+    return torch.stack((low, high), dim=-1).view(qzeros.shape[0], -1)[:, :n_blocks]
+
+
+@register_format
+class Int4Linear(QuantizedLinear):
+    """W4A16 linear layer in the layout above; ``forward`` matches ``nn.Linear``'s."""
+
+    format_name = "int4"
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, zero_point: bool,
+                 qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size, self.zero_point = group_size, zero_point
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("qzeros", qzeros)
+        self.register_buffer("bias", bias)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.qweight.shape[1]
+
+    @classmethod
+    def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features: int,
+                   group_size: int, zero_point: bool, bias: torch.Tensor | None) -> "Int4Linear":
+        """Pack codes [N, K_padded] with their per-group scale and zero point."""
+        return cls(in_features, q.shape[0], group_size, zero_point, pack_int4(q, group_size), scale,
+                   pack_zeros(zero), None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, group_size: int, zero_point: bool = True,
+                   clip_ratio: torch.Tensor | float = 1.0) -> "Int4Linear":
+        """Round-to-nearest quantization of ``linear`` (K zero-padded to a multiple of the group)."""
+        w = pad_columns(linear.weight.detach(), group_size)
+        scale, zero = choose_qparams(w, group_size, zero_point, clip_ratio)
+        q = quantize(w, scale, zero, group_size)
+        return cls.from_codes(q, scale, zero, linear.in_features, group_size, zero_point, linear.bias)
+
+    def format_meta(self) -> dict:
+        return {"format": self.format_name, "group_size": self.group_size, "zero_point": self.zero_point,
+                "in_features": self.in_features, "out_features": self.out_features,
+                "padded_in_features": self.n_blocks * self.group_size}
+
+    @classmethod
+    def empty(cls, meta, in_features, out_features, bias, dtype):
+        g = meta["group_size"]
+        n_blocks = math.ceil(in_features / g)
+        return cls(in_features, out_features, g, meta["zero_point"],
+                   torch.empty(out_features, n_blocks, g // 2, dtype=torch.uint8),
+                   torch.empty(out_features, n_blocks, dtype=dtype),
+                   torch.empty(out_features, math.ceil(n_blocks / 2), dtype=torch.uint8),
+                   torch.empty(out_features, dtype=dtype) if bias else None)
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unpacked codes [N, K_padded] and zero points [N, n_blocks]."""
+        return unpack_int4(self.qweight), unpack_zeros(self.qzeros, self.n_blocks)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        q, zero = self.codes()
+        return dequantize(q, self.scales, zero, self.group_size)[:, : self.in_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if x.is_cuda and triton_available():
+            from compiler.kernels.w4a16 import w4_dequantize, w4a16_matmul
+
+            if x.numel() // self.in_features < DEQUANT_MIN_TOKENS:
+                return w4a16_matmul(x, self.qweight, self.scales, self.qzeros, self.in_features, self.group_size, bias)
+            w = w4_dequantize(self.qweight, self.scales, self.qzeros, self.in_features, self.group_size, x.dtype)
+            return F.linear(x, w, bias)
+        # Reference path: unpack -> dequantize -> matmul.
+        return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, zero_point={self.zero_point}"

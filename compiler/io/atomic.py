@@ -1,0 +1,46 @@
+"""Atomic directory writes: build a directory beside its destination, fsync it, rename it into
+place, so an interrupted write never leaves a directory that looks complete. Every artifact,
+bundle and model repository qcompile writes goes through ``atomic_directory_write``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from compiler.errors import ArtifactError
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                os.fsync(fh.fileno())
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_directory_write(out: Path, write, force: bool = False) -> None:
+    """Call ``write(tmp_dir)``, then move tmp_dir to ``out`` in one rename (replacing it if ``force``)."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise ArtifactError(f"{out} already exists; choose another -o or pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write(tmp)
+        _fsync_tree(tmp)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

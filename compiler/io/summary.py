@@ -1,0 +1,45 @@
+"""What ``qcompile inspect`` (and ``qcompile.inspect``) reports about an artifact, read from its
+manifest alone (the weights are not read): passes, formats, per-layer sizes and bits per weight."""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from compiler.io.artifact import WEIGHTS, read_manifest
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+                "uint8": 1, "int8": 1, "int32": 4, "int64": 8, "bool": 1}
+
+
+def artifact_summary(path: str | Path) -> dict:
+    """Everything ``inspect`` shows, computed from the manifest (weights are not read)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    module_bytes: dict[str, int] = defaultdict(int)
+    weight_shape: dict[str, list[int]] = {}
+    for name, t in manifest["tensors"].items():
+        module, _, leaf = name.rpartition(".")
+        n = 1
+        for d in t["shape"]:
+            n *= d
+        module_bytes[module] += n * _DTYPE_BYTES.get(t["dtype"], 4)
+        if leaf == "weight" and len(t["shape"]) == 2:
+            weight_shape[module] = t["shape"]
+    layers = []
+    for module in sorted(set(weight_shape) | set(manifest["modules"])):
+        meta = manifest["modules"].get(module, {"format": manifest["dtype"]})
+        out_f, in_f = (meta["out_features"], meta["in_features"]) if "in_features" in meta else weight_shape[module]
+        layers.append({"module": module, **meta, "bytes": module_bytes[module],
+                       "bits_per_weight": round(8 * module_bytes[module] / (in_f * out_f), 3)})
+    weights_bytes = (path / WEIGHTS).stat().st_size
+    return {
+        "path": str(path),
+        "source": manifest["source"],
+        "passes": [{"name": r["name"], "wall_time_s": r["wall_time_s"], "metrics": r["metrics"], "notes": r.get("notes", [])}
+                   for r in manifest["passes"]],
+        "formats": dict(Counter(layer["format"] for layer in layers)),
+        "layers": layers,
+        "size": {"weights_bytes": weights_bytes,
+                 "total_bytes": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
+                 "source_bytes": manifest["source"].get("size_bytes", 0)},
+    }

@@ -1,0 +1,236 @@
+"""Passes and the pipeline that runs them.
+
+A ``Pass`` declares its name, a typed options dataclass, the properties it requires and
+provides, and the storage format it plans for each module it converts. A ``Pipeline`` is built
+from a TOML file and validated as a whole (unknown pass, bad option, impossible order, two
+passes claiming one layer, formats the target cannot run) before any pass runs.
+
+    [model]
+    dtype = "float32"
+    [calibration]
+    corpus = "pydoc"
+    samples = 128
+    seq_len = 512
+    seed = 0
+    [[passes]]
+    name = "awq"
+    group_size = 128
+
+Passes live in ``passes/`` and register themselves by name with ``@register_pass``.
+"""
+from __future__ import annotations
+
+import time
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from calib import CalibrationConfig, calibration_windows, load_corpus_text, split_tokens
+from calib.protocol import TokenSplit
+from compiler.errors import (
+    ConfigError,
+    PassError,
+    PipelineValidationError,
+    QCompileError,
+)
+from compiler.model.config import ModelConfig
+from compiler.options import parse_options, suggest
+
+# Properties that hold for a freshly loaded checkpoint.
+INITIAL_PROPERTIES = frozenset({"float_weights"})
+
+
+@dataclass
+class PassReport:
+    """What a pass did: metrics, one row per layer decision, notes; stored in the manifest."""
+
+    name: str
+    options: dict = field(default_factory=dict)
+    wall_time_s: float = 0.0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class PassContext:
+    """What a running pass may use besides the model: tokenizer, calibration data, shared state."""
+
+    tokenizer: Any
+    calibration: CalibrationConfig
+    target: str | None = None
+    manifest_extras: dict[str, Any] = field(default_factory=dict)  # e.g. the serving plan
+    history: list[str] = field(default_factory=list)  # names of passes already run
+    _split: TokenSplit | None = None
+
+    def token_split(self) -> TokenSplit:
+        """The corpus tokenized once and split by the calibration protocol."""
+        if self._split is None:
+            if self.tokenizer is None:
+                raise ConfigError("calibration needs a tokenizer, and this checkpoint ships none")
+            text = load_corpus_text(self.calibration.corpus)
+            self._split = split_tokens(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._split
+
+    def calibration_windows(self, samples: int | None = None, seq_len: int | None = None) -> torch.Tensor:
+        c = self.calibration
+        return calibration_windows(self.token_split().pool, samples or c.samples, seq_len or c.seq_len, c.seed)
+
+
+@dataclass
+class NoOptions:
+    pass
+
+
+class Pass:
+    """Base of every pass. Subclasses set the class attributes and implement ``run``."""
+
+    name: ClassVar[str]
+    Options: ClassVar[type] = NoOptions
+    requires: ClassVar[frozenset[str]] = frozenset()
+    provides: ClassVar[frozenset[str]] = frozenset()
+    invalidates: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, options):
+        self.options = options
+
+    def planned_formats(self, config: ModelConfig) -> dict[str, dict]:
+        """Module name -> the storage format this pass will give it (claims those modules)."""
+        return {}
+
+    def check(self, config: ModelConfig) -> None:
+        """Static checks against the model config; raise ``ConfigError`` with a fix hint."""
+
+    def run(self, model: torch.nn.Module, context: PassContext) -> PassReport:
+        raise NotImplementedError
+
+
+PASSES: dict[str, type[Pass]] = {}
+
+
+def register_pass(cls: type[Pass]) -> type[Pass]:
+    if cls.name in PASSES:
+        raise ValueError(f"pass {cls.name!r} registered twice")
+    PASSES[cls.name] = cls
+    return cls
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+@dataclass(frozen=True)
+class TargetSection:
+    name: str | None = None
+
+
+_SECTIONS = {"model": ModelSection, "calibration": CalibrationConfig, "target": TargetSection}
+
+
+@dataclass
+class PipelineConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    target: TargetSection = field(default_factory=TargetSection)
+    passes: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PipelineConfig":
+        known = set(_SECTIONS) | {"passes"}
+        for key in d:
+            if key not in known:
+                raise ConfigError(f"pipeline: unknown section [{key}]{suggest(key, known)}")
+        sections = {k: parse_options(c, d.get(k), f"[{k}]") for k, c in _SECTIONS.items()}
+        passes = d.get("passes", [])
+        if not isinstance(passes, list) or not all(isinstance(p, dict) for p in passes):
+            raise ConfigError("pipeline: 'passes' must be an array of tables ([[passes]])")
+        return cls(passes=[dict(p) for p in passes], **sections)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "PipelineConfig":
+        path = Path(path)
+        try:
+            return cls.from_dict(tomllib.loads(path.read_text()))
+        except FileNotFoundError:
+            raise ConfigError(f"pipeline file {path} not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML ({e})") from None
+
+    def to_dict(self) -> dict:
+        d = {"model": asdict(self.model), "calibration": asdict(self.calibration), "passes": self.passes}
+        if self.target.name:
+            d["target"] = asdict(self.target)
+        return d
+
+
+class Pipeline:
+    """The passes of a ``PipelineConfig``, instantiated with parsed options."""
+
+    def __init__(self, config: PipelineConfig):
+        self.config = config
+        self.passes: list[Pass] = []
+        for i, entry in enumerate(config.passes):
+            where = f"passes[{i}]"
+            name = entry.get("name")
+            if not isinstance(name, str):
+                raise PipelineValidationError(f"{where}: every [[passes]] entry needs a name = \"...\"")
+            if name not in PASSES:
+                raise PipelineValidationError(f"{where}: unknown pass {name!r}{suggest(name, PASSES)}")
+            cls = PASSES[name]
+            options = {k: v for k, v in entry.items() if k != "name"}
+            self.passes.append(cls(parse_options(cls.Options, options, f"{where} ({name})")))
+
+    def validate(self, model_config: ModelConfig) -> dict[str, dict]:
+        """Check order, claims, per-pass constraints and the target; return the planned formats."""
+        properties = set(INITIAL_PROPERTIES)
+        claimed: dict[str, str] = {}
+        formats: dict[str, dict] = {}
+        for i, p in enumerate(self.passes):
+            where = f"passes[{i}] ({p.name})"
+            missing = p.requires - properties
+            if missing:
+                providers = sorted(n for n, c in PASSES.items() if c.provides & missing)
+                hint = f"; run {' or '.join(providers)} before it" if providers else ""
+                raise PipelineValidationError(f"{where}: requires {', '.join(sorted(missing))}, which no earlier pass provides{hint}")
+            try:
+                p.check(model_config)
+            except ConfigError as e:
+                raise PipelineValidationError(f"{where}: {e}") from None
+            for module, fmt in p.planned_formats(model_config).items():
+                if module in claimed:
+                    raise PipelineValidationError(f"{where}: layer {module} is already claimed by {claimed[module]}; exclude it from one of them with modules_to_not_convert")
+                claimed[module] = where
+                formats[module] = fmt
+            properties = (properties - p.invalidates) | p.provides
+        if self.config.target.name:
+            from compiler.deploy.targets import check_formats
+
+            try:
+                check_formats(self.config.target.name, formats, "pipeline")
+            except ConfigError as e:
+                raise PipelineValidationError(str(e)) from None
+        return formats
+
+    def run(self, model: torch.nn.Module, context: PassContext) -> list[PassReport]:
+        reports = []
+        for i, p in enumerate(self.passes):
+            start = time.perf_counter()
+            try:
+                report = p.run(model, context)
+            except QCompileError:
+                raise
+            except Exception as e:
+                before = ", ".join(context.history) or "nothing"
+                raise PassError(f"pass {p.name} (passes[{i}], after {before}) failed: {type(e).__name__}: {e}") from e
+            report.options = asdict(p.options)
+            report.wall_time_s = round(time.perf_counter() - start, 3)
+            reports.append(report)
+            context.history.append(p.name)
+        return reports

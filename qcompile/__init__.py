@@ -1,0 +1,113 @@
+"""qcompile's Python API: load, compile, evaluate, inspect and lower LLM checkpoints.
+
+    import qcompile
+
+    result = qcompile.compile("smollm2", "examples/awq_g128.toml", "out/awq")   # an artifact
+    model = qcompile.load("out/awq")              # artifact, HF dir, .gguf, or "smollm2"
+    print(qcompile.evaluate(model)["ppl"])        # perplexity by the shared protocol
+    print(qcompile.generate(model, "def fibonacci(n):", max_tokens=16))
+    qcompile.lower("out/awq", "onnx", "out/awq-onnx")
+
+Every user error raises ``compiler.errors.QCompileError`` (its message says what to do). The
+command line (``qcompile``, ``python -m qcompile``) is built on these functions.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from compiler.io.types import LoadedModel
+    from compiler.pipeline import PipelineConfig
+    from compiler.pipeline.compile import CompileResult
+
+__all__ = ["load", "compile", "evaluate", "generate", "inspect", "lower", "pipeline_config"]
+
+
+def load_plugins() -> None:
+    """Import the built-in passes and backends, which register themselves by name."""
+    import backends  # noqa: F401
+    import passes  # noqa: F401
+
+
+def load(model: str | Path, dtype: str = "float32", allow_pickle: bool = False) -> "LoadedModel":
+    """A runnable model and its tokenizer from an artifact, a HF directory, a ``.gguf`` file or a
+    built-in name (``"smollm2"``). ``.model`` maps ``input_ids [B, T]`` to logits ``[B, T, V]``;
+    artifacts keep the dtype they were compiled in, checkpoints load in ``dtype``."""
+    from compiler.io.load import load_checkpoint
+
+    load_plugins()
+    return load_checkpoint(model, dtype, allow_pickle)
+
+
+def pipeline_config(pipeline: "str | Path | dict | PipelineConfig") -> "PipelineConfig":
+    """A validated-on-parse pipeline from a TOML path, a dict of the same shape, or itself."""
+    from compiler.pipeline import PipelineConfig
+
+    if isinstance(pipeline, PipelineConfig):
+        return pipeline
+    if isinstance(pipeline, dict):
+        return PipelineConfig.from_dict(pipeline)
+    return PipelineConfig.from_toml(pipeline)
+
+
+def compile(model: "str | Path | LoadedModel", pipeline: "str | Path | dict | PipelineConfig", output: str | Path,
+            force: bool = False, allow_pickle: bool = False) -> "CompileResult":
+    """Run ``pipeline`` on ``model`` and write the artifact directory ``output`` (atomically).
+
+    ``model`` is anything ``load`` takes, or an already loaded model (changed in place). The
+    pipeline is validated as a whole before any pass runs. Returns the artifact's path, the
+    compiled model in memory and each pass's report."""
+    from compiler.io.types import LoadedModel
+    from compiler.pipeline.compile import compile_loaded, compile_model
+
+    load_plugins()
+    config = pipeline_config(pipeline)
+    if isinstance(model, LoadedModel):
+        return compile_loaded(model, config, output, force)
+    return compile_model(model, config, output, allow_pickle, force)
+
+
+def evaluate(model: "str | Path | LoadedModel", corpus: str = "pydoc", windows: int = 16) -> dict:
+    """Perplexity ``{"ppl", "tokens", "nll"}`` on the first ``windows`` 512-token evaluation windows
+    of ``corpus`` (``"pydoc"``, a ``.txt`` file or folder, ``FILE.jsonl[:field]``)."""
+    from compiler.pipeline.evaluate import evaluate_perplexity
+
+    return evaluate_perplexity(_loaded(model), corpus, windows)
+
+
+def generate(model: "str | Path | LoadedModel", prompt: str, max_tokens: int = 64) -> str:
+    """The greedy completion of ``prompt`` (the reference decoder, contiguous KV cache); for
+    batched, sampled or streamed serving use ``serving.engine.Engine``."""
+    import torch
+
+    loaded = _loaded(model)
+    if loaded.tokenizer is None:
+        from compiler.errors import ConfigError
+
+        raise ConfigError("generate needs a tokenizer, and this model ships none")
+    ids = torch.tensor([loaded.tokenizer(prompt)["input_ids"]])
+    out = loaded.model.generate(ids, max_tokens, loaded.model.config.eos_token_ids)
+    return loaded.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def inspect(artifact: str | Path) -> dict:
+    """An artifact's passes, formats, per-layer sizes and bits per weight (from its manifest)."""
+    from compiler.io.summary import artifact_summary
+
+    return artifact_summary(artifact)
+
+
+def lower(artifact: str | Path, target: str, output: str | Path, force: bool = False, **options) -> Path:
+    """Lower ``artifact`` for ``target`` (``onnx``, ``ascend``, ``triton``) into ``output``; ``options``
+    are the target's own (e.g. ``max_len=512`` for onnx, ``soc="Ascend910B3"`` for ascend)."""
+    from compiler.deploy.lowering import lower as lower_artifact
+
+    load_plugins()
+    return lower_artifact(artifact, target, output, options, force)
+
+
+def _loaded(model: "str | Path | LoadedModel") -> "LoadedModel":
+    from compiler.io.types import LoadedModel
+
+    return model if isinstance(model, LoadedModel) else load(model)

@@ -1,0 +1,4 @@
+"""``python -m qcompile``: the command line."""
+from qcompile.cli import main
+
+main()

@@ -1,0 +1,123 @@
+"""The ``qcompile`` command line. Every user error is one line on stderr and a non-zero exit;
+``--debug`` shows the traceback instead."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+from rich.text import Text
+
+from compiler.errors import QCompileError
+from qcompile import load_plugins
+from qcompile.cli.console import err, out
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Quantize, distill and lower Llama-family LLMs to deployment targets.")
+_state = {"debug": False}
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors.")):
+    _state["debug"] = debug
+
+
+@app.command("compile")
+def compile_cmd(
+    model: str = typer.Argument(..., help="HF directory, .gguf file, artifact, or a built-in model name (smollm2)."),
+    config: Path = typer.Option(..., "-c", "--config", help="Pipeline TOML file."),
+    output: Path = typer.Option(..., "-o", "--output", help="Artifact directory to write."),
+    allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Allow pytorch_model.bin (loaded with weights_only=True)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
+):
+    """Compile MODEL through the pipeline in CONFIG into an artifact directory."""
+    from compiler.pipeline import PipelineConfig
+    from compiler.pipeline.compile import compile_model
+    from qcompile.cli.report import print_reports
+
+    load_plugins()
+    result = compile_model(model, PipelineConfig.from_toml(config), output, allow_pickle, force)
+    print_reports(out, [r.to_dict() for r in result.reports])
+    out.print(f"wrote [bold]{result.path}[/bold]")
+
+
+@app.command("eval")
+def eval_cmd(
+    path: str = typer.Argument(..., help="Checkpoint or artifact."),
+    corpus: str = typer.Option("pydoc", help="pydoc, a .txt file, a folder of .txt, or FILE.jsonl[:field]."),
+    windows: int = typer.Option(16, min=1, help="Number of 512-token evaluation windows."),
+    as_json: bool = typer.Option(False, "--json", help="Print {\"ppl\": ..., \"tokens\": ...}."),
+    allow_pickle: bool = typer.Option(False, "--allow-pickle"),
+    dtype: str = typer.Option("float32", help="Compute dtype for checkpoints (artifacts keep their own)."),
+):
+    """Perplexity on the evaluation region of a corpus (the shared protocol)."""
+    from compiler.io.load import load_checkpoint
+    from compiler.pipeline.evaluate import evaluate_perplexity
+
+    loaded = load_checkpoint(path, dtype, allow_pickle)
+    result = evaluate_perplexity(loaded, corpus, windows)
+    if as_json:
+        print(json.dumps({"ppl": result["ppl"], "tokens": result["tokens"]}))
+    else:
+        out.print(f"perplexity [bold]{result['ppl']:.4f}[/bold] over {result['tokens']} tokens ({corpus}, {windows} windows)")
+
+
+@app.command("inspect")
+def inspect_cmd(
+    artifact: Path = typer.Argument(..., help="Artifact directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+):
+    """Passes, weight formats, per-layer table and size on disk of an artifact."""
+    from compiler.io.summary import artifact_summary
+    from qcompile.cli.report import print_summary
+
+    summary = artifact_summary(artifact)
+    if as_json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print_summary(out, summary)
+
+
+@app.command("example")
+def example_cmd(
+    output: Path = typer.Option(Path("out/example"), "-o", "--output", help="Folder for the example's artifacts."),
+    windows: int = typer.Option(16, min=1, help="Evaluation windows per perplexity."),
+):
+    """The main job end to end on the built-in SmolLM2-135M: compile, evaluate, compare."""
+    from qcompile.cli.example import run_example
+
+    load_plugins()
+    run_example(out, output, windows)
+
+
+# Commands with their own modules (imported here so `qcompile --help` lists them).
+from qcompile.cli.bench import app as _bench_app  # noqa: E402
+from qcompile.cli.distill import distill_cmd  # noqa: E402
+from qcompile.cli.generate import generate_cmd  # noqa: E402
+from qcompile.cli.lower import lower_cmd  # noqa: E402
+from qcompile.cli.serve import serve_cmd  # noqa: E402
+
+app.command("distill")(distill_cmd)
+app.command("generate")(generate_cmd)
+app.command("lower")(lower_cmd)
+app.command("serve")(serve_cmd)
+app.add_typer(_bench_app, name="bench")
+
+
+def main() -> None:
+    try:
+        app()
+    except QCompileError as e:
+        if _state["debug"]:
+            raise
+        err.print(Text.assemble(("error: ", "red"), str(e)), soft_wrap=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+    except Exception as e:
+        if _state["debug"]:
+            raise
+        err.print(Text.assemble(("internal error: ", "red"), f"{type(e).__name__}: {e} (run with --debug for the traceback)"), soft_wrap=True)
+        sys.exit(1)

@@ -1,0 +1,232 @@
+"""``qcompile bench TARGET`` (latency benchmark) and ``qcompile bench compare A.json B.json``."""
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from typer.core import TyperGroup
+
+from qcompile.cli.console import out
+from serving.bench.errors import BenchError
+
+
+class _BenchGroup(TyperGroup):
+    """``bench TARGET …`` runs a benchmark; ``bench compare …`` compares. A first word that is not a
+    subcommand is a TARGET, so it is routed to the hidden ``run`` command."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+app = typer.Typer(cls=_BenchGroup, no_args_is_help=True, add_completion=False,
+                  help="Latency benchmark of a serving target: TTFT, ITL, TPOT, latency, throughput. "
+                       "Run it as 'qcompile bench TARGET [OPTIONS]' (options: 'qcompile bench run --help').")
+
+
+def _numbers(text: str | None, cast, what: str) -> list:
+    if text is None:
+        return []
+    try:
+        values = [cast(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise BenchError(f"{what} {text!r} is not a number or a comma list of numbers") from None
+    if not values or any(v <= 0 for v in values):
+        raise BenchError(f"{what} {text!r}: values must be > 0")
+    return values
+
+
+def load_points(concurrency: str | None, request_rate: str | None, num_requests: int, duration: float | None,
+                warmup: int, seed: int):
+    """The sweep: closed loop per concurrency, or open loop per rate (concurrency then caps requests in flight)."""
+    from serving.bench.runner import LoadConfig
+
+    concurrencies = _numbers(concurrency, int, "--concurrency")
+    rates = _numbers(request_rate, float, "--request-rate")
+    common = dict(num_requests=None if duration else num_requests, duration_s=duration, warmup=warmup, seed=seed)
+    if not rates:
+        return [LoadConfig(concurrency=c, **common) for c in concurrencies or [1]]
+    if len(concurrencies) > 1:
+        raise BenchError("with --request-rate, --concurrency is one number (the cap on requests in flight), not a list")
+    cap = concurrencies[0] if concurrencies else None
+    return [LoadConfig(concurrency=cap, request_rate=r, **common) for r in rates]
+
+
+async def _run(adapter, requests, loads, repeat: int, slos: dict):
+    """Run the sweep with a progress bar; Ctrl-C sets ``stop`` so what finished is kept."""
+    from compiler.progress import make_progress
+    from serving.bench.suite import run_sweep
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    try:
+        with make_progress() as progress:
+            def on_point(load, trial):
+                total = load.num_requests if load.num_requests else None
+                task = progress.add_task(f"{load.label()} (trial {trial + 1}/{repeat})", total=total)
+                return lambda record: progress.advance(task)
+
+            return await run_sweep(adapter, requests, loads, repeat, slos, stop, on_point)
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        await adapter.close()
+
+
+@app.command("run")
+def run_cmd(
+    target: str = typer.Argument(..., help="Artifact dir, triton-grpc://HOST:PORT/MODEL, triton-http://HOST:PORT/MODEL, ONNX dir or Ascend bundle."),
+    concurrency: Optional[str] = typer.Option(None, help="Closed-loop concurrency, or a comma list to sweep (default 1)."),
+    request_rate: Optional[str] = typer.Option(None, help="Open loop: Poisson arrivals per second, or a comma list to sweep."),
+    num_requests: int = typer.Option(64, min=1, help="Measured requests per trial."),
+    duration: Optional[float] = typer.Option(None, min=0.1, help="Measure for this many seconds instead of a request count."),
+    warmup: int = typer.Option(2, min=0, help="Unmeasured warm-up requests before each trial."),
+    repeat: int = typer.Option(1, min=1, help="Trials per load point (their spread is compare's noise band)."),
+    prompt_len: str = typer.Option("128", help="Prompt tokens: N, uniform:LO:HI or normal:MEAN:STD."),
+    output_len: str = typer.Option("64", help="Output tokens (EOS ignored): N, uniform:LO:HI or normal:MEAN:STD."),
+    prompts: Optional[Path] = typer.Option(None, help="A .jsonl prompts file ({\"prompt\": ..., \"output_len\": ...} per line)."),
+    shared_prefix: int = typer.Option(0, min=0, help="Tokens of a prefix shared by every prompt (prefix caching)."),
+    corpus: str = typer.Option("pydoc", help="Corpus the synthetic prompts are cut from."),
+    tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory (needed for server targets)."),
+    stream: bool = typer.Option(True, "--stream/--no-stream", help="triton-http: --no-stream uses /generate (one response; TTFT = latency)."),
+    goodput: Optional[str] = typer.Option(None, help="SLOs in ms, e.g. time_to_first_token:200,request_latency:2000."),
+    seed: int = typer.Option(0, help="Seed of the workload and the arrivals."),
+    output_json: Optional[Path] = typer.Option(None, help="Write the result JSON here."),
+    output_csv: Optional[Path] = typer.Option(None, help="Write one CSV row per load point here."),
+    output_md: Optional[Path] = typer.Option(None, help="Write a markdown summary here."),
+    plots: Optional[Path] = typer.Option(None, help="Write PNG plots into this directory."),
+):
+    """Benchmark TARGET (also spelled 'qcompile bench TARGET'): closed loop at --concurrency or open loop at --request-rate."""
+    from serving.bench.metrics import parse_slos
+    from serving.bench.workload import LengthDist, WorkloadConfig
+
+    workload = WorkloadConfig(LengthDist.parse(prompt_len, "--prompt-len"), LengthDist.parse(output_len, "--output-len"),
+                              corpus, prompts, shared_prefix, seed)
+    loads = load_points(concurrency, request_rate, num_requests, duration, warmup, seed)
+    result = run_benchmark(target, workload, loads, repeat, parse_slos(goodput), tokenizer, stream)
+    _write_outputs(result, output_json, output_csv, output_md, plots)
+
+
+def run_benchmark(target: str, workload, loads, repeat: int = 1, slos: dict | None = None, tokenizer: Path | None = None,
+                  stream: bool = True) -> dict:
+    """Resolve TARGET, build the workload, run the sweep; the result document (raises if nothing succeeded)."""
+    from serving.bench.environment import environment
+    from serving.bench.suite import make_result
+    from serving.bench.targets import (
+        artifact_dir,
+        check_stream,
+        open_adapter,
+        parse_target,
+        target_tokenizer,
+    )
+    from serving.bench.workload import build_requests
+
+    slos = slos or {}
+    parsed = parse_target(target)
+    check_stream(parsed, stream)
+    count = max([load.num_requests or 0 for load in loads] + [64])
+    requests = build_requests(workload, target_tokenizer(parsed, tokenizer), count)
+    adapter = open_adapter(parsed, stream)
+    runs, interrupted = asyncio.run(_run(adapter, requests, loads, repeat, slos))
+    if not runs:
+        raise BenchError("no request finished; nothing was measured")
+    result = make_result(target, getattr(adapter, "name", type(adapter).__name__), environment(artifact_dir(parsed)),
+                         {**workload.describe(), "repeat": repeat, "stream": stream}, slos, runs, interrupted)
+    _check_failures(result)
+    return result
+
+
+def _check_failures(result: dict) -> None:
+    """Every request failed: that is an error (with the target's message), not a result."""
+    for run in result["runs"]:
+        counts = run["metrics"]["counts"]
+        if counts["successful"] == 0:
+            first = next((q["error"] for q in run["requests"] if q["error"]), "no tokens")
+            raise BenchError(f"every request at {run['label']} failed; first error: {first}")
+
+
+def _write_outputs(result: dict, output_json, output_csv, output_md, plots) -> None:
+    from serving.bench.output import (
+        csv_text,
+        markdown_summary,
+        write_json,
+        write_plots,
+        write_text_atomic,
+    )
+
+    print_result(result)
+    if result["interrupted"]:
+        out.print("[yellow]interrupted[/yellow]: the results hold the requests that finished before Ctrl-C")
+    for path, write in ((output_json, lambda p: write_json(result, p)), (output_csv, lambda p: write_text_atomic(p, csv_text(result))),
+                        (output_md, lambda p: write_text_atomic(p, markdown_summary(result)))):
+        if path is not None:
+            write(path)
+            out.print(f"wrote {path}")
+    if plots is not None:
+        for path in write_plots(result, plots):
+            out.print(f"wrote {path}")
+
+
+def print_result(result: dict, console: Console = out) -> None:
+    """One table row per load point (ms unless stated)."""
+    table = Table(title=f"{result['target']} ({result['adapter']})")
+    for col in ("load", "ok/total", "len mismatch", "TTFT p50", "TTFT p99", "ITL p50", "TPOT mean", "latency p50",
+                "latency p99", "out tok/s", "req/s", *(["goodput"] if result["slos_ms"] else [])):
+        table.add_column(col, justify="left" if col == "load" else "right")
+    for run in result["runs"]:
+        m, c = run["metrics"], run["metrics"]["counts"]
+        cells = [run["label"], f"{c['successful']}/{c['requests']}", str(c["output_length_mismatch"]),
+                 *(f"{m[k][s]:.1f}" for k, s in (("time_to_first_token", "p50"), ("time_to_first_token", "p99"))),
+                 f"{m['inter_token_latency']['p50']:.2f}", f"{m['time_per_output_token']['mean']:.2f}",
+                 f"{m['request_latency']['p50']:.1f}", f"{m['request_latency']['p99']:.1f}",
+                 f"{m['output_token_throughput']['mean']:.1f}", f"{m['request_throughput']['mean']:.3f}"]
+        if result["slos_ms"]:
+            cells.append(f"{m['goodput']['mean']:.3f}")
+        table.add_row(*cells)
+    console.print(table)
+
+
+def bench_stage(console: Console, artifact: str) -> dict:
+    """The main job's latency stage: an artifact on the in-process engine at concurrency 1 and 4 (kept small)."""
+    from serving.bench.runner import LoadConfig
+    from serving.bench.workload import LengthDist, WorkloadConfig
+
+    console.print("latency ([bold]qcompile bench[/bold], in-process engine, 32-token prompts, 8 output tokens) …")
+    workload = WorkloadConfig(LengthDist("fixed", 32), LengthDist("fixed", 8))
+    result = run_benchmark(artifact, workload, [LoadConfig(concurrency=c, num_requests=4, warmup=1) for c in (1, 4)])
+    print_result(result, console)
+    return result
+
+
+@app.command("compare")
+def compare_cmd(
+    baseline: Path = typer.Argument(..., help="Result JSON A (the baseline)."),
+    candidate: Path = typer.Argument(..., help="Result JSON B."),
+    noise: float = typer.Option(0.05, min=0.0, help="Smallest noise band (relative); widened to 2× the trials' spread."),
+    fail_on_regression: bool = typer.Option(False, "--fail-on-regression", help="Exit 3 when a metric regressed."),
+):
+    """Per-metric ratios B/A at each shared load point; flags changes beyond the noise band."""
+    from serving.bench.compare import compare_results
+    from serving.bench.errors import RegressionError
+    from serving.bench.output import read_result
+
+    rows = compare_results(read_result(baseline), read_result(candidate), floor=noise)
+    table = Table(title=f"{candidate} vs {baseline}")
+    for col in ("load", "metric", "A", "B", "B/A", "band", "verdict"):
+        table.add_column(col, justify="right" if col in ("A", "B", "B/A", "band") else "left")
+    style = {"regression": "red", "improvement": "green", "within noise": ""}
+    for r in rows:
+        table.add_row(r.label, f"{r.metric} {r.stat}", f"{r.a:.3f}", f"{r.b:.3f}", f"{r.ratio:.3f}", f"±{100 * r.band:.1f}%",
+                      f"[{style[r.verdict]}]{r.verdict}[/]" if style[r.verdict] else r.verdict)
+    out.print(table)
+    regressions = [r for r in rows if r.verdict == "regression"]
+    if regressions and fail_on_regression:
+        worst = max(regressions, key=lambda r: abs(r.ratio - 1))
+        raise RegressionError(f"{len(regressions)} metric(s) regressed beyond the noise band; worst: {worst.label} "
+                              f"{worst.metric} {worst.stat} ×{worst.ratio:.3f} (band ±{100 * worst.band:.1f}%)")

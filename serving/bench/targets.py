@@ -1,0 +1,96 @@
+"""Resolve a ``qcompile bench`` TARGET to the serving adapter that drives it.
+
+  ARTIFACT_DIR                       in-process engine (``serving.adapters.engine.EngineAdapter``)
+  triton-grpc://HOST:PORT/MODEL      Triton Inference Server over gRPC (streaming)
+  triton-http://HOST:PORT/MODEL      Triton Inference Server over HTTP (generate_stream, or generate with --no-stream)
+  ONNX_DIR (holds *.onnx)            ONNX Runtime (``qcompile lower --target onnx``)
+  ASCEND_BUNDLE (om/, build_om.sh)   Ascend NPU bundle (``qcompile lower --target ascend``)
+
+Lives in the CLI layer because adapters come from several packages; each is imported only
+when its target is asked for, and one that is not available in this build is a clear error.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from serving.bench.errors import BenchError
+
+SCHEMES = ("triton-grpc", "triton-http")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A parsed TARGET: its kind, and either a directory or a server address + model name."""
+
+    kind: str  # "engine", "triton-grpc", "triton-http", "onnx", "ascend"
+    spec: str
+    path: Path | None = None
+    url: str | None = None  # HOST:PORT
+    model: str | None = None
+
+
+def parse_target(spec: str) -> Target:
+    """Classify TARGET by its scheme or by what its directory holds."""
+    scheme = spec.split("://", 1)[0] if "://" in spec else None
+    if scheme is not None:
+        parsed = urlparse(spec)
+        model = parsed.path.strip("/")
+        if scheme not in SCHEMES or not parsed.hostname or not parsed.port or not model:
+            raise BenchError(f"target {spec!r} is not valid; use triton-grpc://HOST:PORT/MODEL or triton-http://HOST:PORT/MODEL")
+        return Target(scheme, spec, url=f"{parsed.hostname}:{parsed.port}", model=model)
+    path = Path(spec)
+    if not path.is_dir():
+        raise BenchError(f"target {spec!r} is neither a directory nor a triton-grpc:// or triton-http:// address")
+    if (path / "om").is_dir() or (path / "build_om.sh").is_file():  # qcompile lower --target ascend
+        return Target("ascend", spec, path=path)
+    if any(path.glob("*.onnx")):
+        return Target("onnx", spec, path=path)
+    if (path / "manifest.json").is_file():
+        return Target("engine", spec, path=path)
+    raise BenchError(f"{spec} holds no manifest.json, *.onnx or om/; give an artifact, an ONNX Runtime bundle or an Ascend bundle")
+
+
+def check_stream(target: Target, stream: bool) -> None:
+    if not stream and target.kind != "triton-http":
+        raise BenchError("--no-stream applies to triton-http:// targets only (the others always stream)")
+
+
+def _import(module: str, attr: str, what: str):
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        raise BenchError(f"the {what} adapter ({module}.{attr}) is not available in this build; "
+                         "install or merge the serving adapter for it, or bench another target") from None
+
+
+def open_adapter(target: Target, stream: bool = True):
+    """A ``ServingAdapter`` for ``target`` (the caller closes it); ``stream=False``: HTTP's one-response ``/generate``."""
+    if target.kind == "engine":
+        return _import("serving.adapters.engine", "EngineAdapter", "in-process engine").from_artifact(target.path)
+    if target.kind == "triton-grpc":
+        return _import("serving.adapters.triton_grpc", "TritonGrpcAdapter", "Triton gRPC")(target.url, target.model)
+    if target.kind == "triton-http":
+        return _import("serving.adapters.triton_http", "TritonHttpAdapter", "Triton HTTP")(target.url, target.model, stream)
+    if target.kind == "onnx":
+        return _import("serving.adapters.onnx", "OnnxRuntimeAdapter", "ONNX Runtime").from_dir(target.path)
+    return _import("serving.adapters.ascend", "AscendAdapter", "Ascend").from_bundle(target.path)
+
+
+def target_tokenizer(target: Target, tokenizer_path: Path | None):
+    """The tokenizer prompts are built with: ``--tokenizer`` if given, else the target directory's own."""
+    from compiler.io.types import load_tokenizer
+
+    source = tokenizer_path or target.path
+    if source is None:
+        return None
+    if not Path(source).is_dir():
+        raise BenchError(f"--tokenizer {source} is not a directory; give an artifact or HF checkpoint directory")
+    return load_tokenizer(Path(source))
+
+
+def artifact_dir(target: Target) -> Path | None:
+    """The artifact whose manifest hash the result records (the target's own directory)."""
+    return target.path if target.path is not None and (target.path / "manifest.json").is_file() else None

@@ -1,0 +1,158 @@
+"""ONNX export: checker, opset, MatMulNBits straight from packed buffers, parity with torch."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+from onnx_helpers import make_artifact, rel_error
+
+from backends.onnx.bundle import DECODE_FILE, PREFILL_FILE, WEIGHTS_FILE, OnnxBundleInfo
+from backends.onnx.export import EXTERNAL_THRESHOLD, OnnxExportOptions, export_onnx
+from backends.onnx.runner import OnnxRunner
+from compiler.formats.qlinear import QuantizedLinear
+from compiler.io.artifact import load_artifact
+from compiler.model.kv_cache import ContiguousKVCache
+
+MAX_LEN = 96
+CASES = [("llama", None, {}), ("llama", 32, {}), ("qwen2", None, {}), ("qwen2", 64, {}),
+         ("mistral", None, {"sliding_window": 8}), ("mistral", 32, {"sliding_window": 8})]
+
+
+@pytest.fixture(params=CASES, ids=lambda c: f"{c[0]}-{'int4g' + str(c[1]) if c[1] else 'float'}")
+def lowered(request, tmp_path):
+    arch, group, overrides = request.param
+    artifact = make_artifact(tmp_path, arch, group, **overrides)
+    loaded = load_artifact(artifact)
+    out = tmp_path / "onnx"
+    export_onnx(loaded, out, OnnxExportOptions(max_len=MAX_LEN))
+    return loaded, out
+
+
+def test_checker_opset_and_external_data(lowered):
+    loaded, out = lowered
+    for name in (PREFILL_FILE, DECODE_FILE):
+        onnx.checker.check_model(str(out / name))
+        model = onnx.load(str(out / name), load_external_data=False)
+        assert {o.domain: o.version for o in model.opset_import}[""] == 17
+        # Every tensor above the threshold lives in the one shared weights.data file.
+        for t in model.graph.initializer:
+            if t.data_location != onnx.TensorProto.EXTERNAL:
+                assert len(t.raw_data) <= EXTERNAL_THRESHOLD, t.name
+            else:
+                assert {e.key: e.value for e in t.external_data}["location"] == WEIGHTS_FILE
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.state_dict().values())
+    assert (out / WEIGHTS_FILE).stat().st_size > 0.5 * weights
+
+
+def test_int4_layers_are_matmulnbits_from_packed_buffers(lowered):
+    loaded, out = lowered
+    model = onnx.load(str(out / PREFILL_FILE))
+    inits = {t.name: t for t in model.graph.initializer}
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    quantized = {name: m for name, m in loaded.model.named_modules() if hasattr(m, "qweight")}
+    assert len(nbits) == len(quantized)
+    for node in nbits:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        module = quantized[node.input[1].removesuffix(".qweight")]
+        assert node.domain == "com.microsoft"
+        assert attrs == {"K": module.in_features, "N": module.out_features, "bits": 4, "block_size": module.group_size}
+        np.testing.assert_array_equal(numpy_helper.to_array(inits[node.input[1]]), module.qweight.numpy())
+        np.testing.assert_array_equal(numpy_helper.to_array(inits[node.input[3]]), module.qzeros.numpy().reshape(-1))
+    info = OnnxBundleInfo.read(out)
+    assert set(info.layers) == set(quantized)
+
+
+@pytest.mark.parametrize("seq", [1, 5, 33])
+def test_prefill_logits_match_torch(lowered, seq):
+    loaded, out = lowered
+    torch.manual_seed(seq)
+    ids = torch.randint(0, loaded.model.config.vocab_size, (2, seq))
+    with torch.no_grad():
+        ref = loaded.model(ids).numpy()
+    got = OnnxRunner(out, threads=1).prefill(ids.numpy())
+    assert rel_error(got, ref) < 1e-4
+
+
+def test_decode_steps_match_torch_cache(lowered):
+    loaded, out = lowered
+    c = loaded.model.config
+    torch.manual_seed(1)
+    ids = torch.randint(0, c.vocab_size, (1, 20))
+    cache = ContiguousKVCache(c.n_layers, 1, MAX_LEN, c.n_kv_heads, c.head_dim, sliding_window=c.sliding_window)
+    runner = OnnxRunner(out, threads=1)
+    with torch.no_grad():
+        ref = loaded.model(ids[:, :6], torch.arange(6)[None], cache)
+        assert rel_error(runner.prefill(ids[:, :6].numpy()), ref.numpy()) < 1e-4
+        for t in range(6, 20):  # one token at a time, past the sliding window
+            ref = loaded.model(ids[:, t:t + 1], torch.tensor([[t]]), cache)
+            assert rel_error(runner.decode(ids[:, t:t + 1].numpy()), ref.numpy()) < 1e-4
+
+
+def test_greedy_generation_identical(lowered):
+    loaded, out = lowered
+    torch.manual_seed(2)
+    ids = torch.randint(0, loaded.model.config.vocab_size, (1, 9))
+    expected = loaded.model.generate(ids, 32).numpy()
+    got = OnnxRunner(out, threads=1).generate(ids.numpy(), 32)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_cache_overflow_is_a_clear_error(lowered):
+    from compiler.errors import QCompileError
+
+    _, out = lowered
+    runner = OnnxRunner(out, threads=1)
+    with pytest.raises(QCompileError, match="max_len"):
+        runner.prefill(np.zeros((1, MAX_LEN + 1), np.int64))
+
+
+class DequantOnlyLinearDouble(QuantizedLinear):
+    """TEST DOUBLE of a non-INT4 QuantizedLinear (e.g. FP8): rounds the weight to a coarse grid and
+    only offers ``dequantized_weight()``, which is what the exporter must use for such layers."""
+
+    format_name = "test-double"
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("codes", torch.round(linear.weight.detach() * 16))
+        self.bias = None
+
+    def dequantized_weight(self):
+        return self.codes / 16
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.dequantized_weight())
+
+
+def test_other_quantized_formats_export_dequantized(tmp_path):
+    loaded = load_artifact(make_artifact(tmp_path, "llama"))
+    loaded.model.set_submodule("layers.0.mlp.up_proj", DequantOnlyLinearDouble(loaded.model.get_submodule("layers.0.mlp.up_proj")))
+    info = export_onnx(loaded, tmp_path / "onnx", OnnxExportOptions(max_len=MAX_LEN))
+    assert info.layers == {"layers.0.mlp.up_proj": "MatMul on the dequantized test-double weight"}
+    ids = torch.randint(0, loaded.model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_error(OnnxRunner(tmp_path / "onnx", threads=1).prefill(ids.numpy()), loaded.model(ids).numpy()) < 1e-4
+
+
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("scheme", ["none", "dynamic"])
+def test_fp8_artifact_exports_dequantized(tmp_path, scheme, shift):
+    from compiler.formats.fp8 import Fp8Linear
+    from compiler.formats.qlinear import linear_modules
+
+    loaded = load_artifact(make_artifact(tmp_path, "llama"))
+    for name, linear in linear_modules(loaded.model).items():
+        if name != "lm_head":
+            mean = torch.randn(linear.in_features, generator=torch.Generator().manual_seed(1)) if shift else None
+            loaded.model.set_submodule(name, Fp8Linear.from_linear(linear, activation_scheme=scheme, input_shift=mean))
+    info = export_onnx(loaded, tmp_path / "onnx", OnnxExportOptions(max_len=MAX_LEN))
+    assert all(how.startswith("MatMul on the dequantized fp8 weight") for how in info.layers.values())
+    assert all(("activation quantization is not exported" in how) == (scheme != "none") for how in info.layers.values())
+    if scheme == "none":  # weight-only FP8 is exactly what the graph computes (a shift folded into the bias)
+        ids = torch.randint(0, loaded.model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            ref = loaded.model(ids).numpy()
+        assert rel_error(OnnxRunner(tmp_path / "onnx", threads=1).prefill(ids.numpy()), ref) < 1e-4

@@ -1,0 +1,293 @@
+"""FP8 primitives, the fp8 format and kernels: saturation, scales, kernels vs the dequantize reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from compiler.formats.fp8 import Fp8Linear
+from compiler.kernels.fp8_gemm import FP8_KERNELS, dequant_gemm, fp8_gemm, select_kernel
+from compiler.quant.fp8 import (
+    FP8_DTYPES,
+    quantize,
+    quantize_per_token,
+    quantize_per_token_group,
+    saturating_cast,
+    scale_from_amax,
+    weight_scale,
+)
+
+DTYPES = list(FP8_DTYPES.values())
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    err = float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+    assert err == err, "NaN relative error"
+    return err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_saturating_cast_never_overflows_to_nan_or_inf(dtype):
+    fmax = torch.finfo(dtype).max
+    x = torch.tensor([0.0, 1.0, -1.0, fmax * 1.01, -fmax * 4, 1e30, -1e30, float("inf"), float("-inf")])
+    q = saturating_cast(x, dtype).float()
+    assert torch.isfinite(q).all()
+    assert q[3] == fmax and q[4] == -fmax and q[5] == fmax and q[6] == -fmax and q[7] == fmax and q[8] == -fmax
+    assert q[:3].tolist() == [0.0, 1.0, -1.0]
+
+
+def test_scales_map_absmax_to_format_max():
+    w = torch.tensor([[1.0, -4.0], [0.5, 0.25], [0.0, 0.0]])
+    e4 = torch.float8_e4m3fn
+    per_channel = weight_scale(w, e4, "per_channel")
+    assert torch.allclose(per_channel[:2], torch.tensor([4.0, 0.5]) / 448)
+    assert per_channel[2] > 0  # an all-zero row gets a tiny positive scale, not 0 (no 0/0)
+    assert torch.allclose(weight_scale(w, e4, "per_tensor"), torch.tensor([4.0 / 448]))
+    assert torch.allclose(scale_from_amax(torch.tensor(57344.0), torch.float8_e5m2), torch.tensor(1.0))
+    # the abs-max element lands exactly on the format's largest value
+    q = quantize(w, per_channel[:, None], e4).float()
+    assert q[0, 1] == -448 and q[1, 0] == 448 and (q[2] == 0).all()
+
+
+def test_per_token_quantization_round_trip():
+    torch.manual_seed(0)
+    x = torch.randn(16, 64) * torch.logspace(-3, 3, 16)[:, None]  # rows of very different magnitudes
+    q, s = quantize_per_token(x, torch.float8_e4m3fn)
+    assert s.shape == (16,) and q.dtype == torch.float8_e4m3fn
+    assert rel_error(q.float() * s[:, None], x) < 0.05
+
+
+def _operands(m, n, k, a_dtype, b_dtype, granularity, seed):
+    """Fresh random FP8 operands; activations reach 1e4, far beyond E4M3's 448 before scaling."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 1e4
+    w = torch.randn(n, k, generator=g)
+    xq, xs = quantize_per_token(x, a_dtype)
+    ws = weight_scale(w, b_dtype, granularity)
+    wq = quantize(w, ws[:, None], b_dtype)
+    bias = torch.randn(n, generator=g)
+    return x, w, xq, xs, wq, ws, bias
+
+
+@pytest.mark.parametrize("kernel", ["scaled_mm", "triton"])
+@pytest.mark.parametrize("dtypes", [(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e5m2)])
+@pytest.mark.parametrize("granularity", ["per_channel", "per_tensor"])
+@pytest.mark.parametrize("shape", [(5, 24, 40), (70, 130, 96)])
+def test_kernels_match_dequantize_reference(kernel, dtypes, granularity, shape):
+    m, n, k = shape
+    x, w, xq, xs, wq, ws, bias = _operands(m, n, k, *dtypes, granularity, seed=hash((shape, granularity)) % 1000)
+    ref = dequant_gemm(xq, xs, wq, ws, bias)
+    assert rel_error(FP8_KERNELS[kernel](xq, xs, wq, ws, bias), ref) < 1e-5
+    # static (per-tensor) activation scale too, with values saturating at the format's max
+    xs_static = torch.tensor([1e4 / torch.finfo(dtypes[0]).max])
+    xq_static = quantize(x, xs_static, dtypes[0])
+    ref = dequant_gemm(xq_static, xs_static, wq, ws, None)
+    assert torch.isfinite(ref).all()
+    assert rel_error(FP8_KERNELS[kernel](xq_static, xs_static, wq, ws, None), ref) < 1e-5
+    # and the reference itself is close to the float product
+    assert rel_error(dequant_gemm(xq, xs, wq, ws, bias), x @ w.t() + bias) < 0.1
+
+
+def test_kernel_selection_by_device():
+    assert select_kernel(torch.device("cpu")) == "scaled_mm"
+    assert select_kernel(torch.device("cuda")) == "triton"
+    assert select_kernel(torch.device("meta")) == "dequant"
+    assert select_kernel(torch.device("cpu"), grouped=True) == "dequant"  # _scaled_mm takes no group scales
+    assert select_kernel(torch.device("cuda"), grouped=True) == "triton"
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "static", "none"])
+@pytest.mark.parametrize("granularity", ["per_channel", "per_tensor"])
+def test_fp8_linear_close_to_float(scheme, granularity):
+    torch.manual_seed(1)
+    lin = nn.Linear(48, 32)
+    x = torch.randn(3, 7, 48)
+    q = Fp8Linear.from_linear(lin, granularity=granularity, activation_scheme=scheme,
+                              input_scale=float(x.abs().max()) / 448 if scheme == "static" else None)
+    assert q.weight.dtype == torch.float8_e4m3fn and q.weight.shape == (32, 48)
+    y = q(x)
+    assert y.shape == (3, 7, 32) and y.dtype == x.dtype
+    assert rel_error(y, lin(x)) < 0.08
+    meta = q.format_meta()
+    assert meta["format"] == "fp8" and meta["in_features"] == 48 and meta["out_features"] == 32
+    assert meta["activation_scheme"] == scheme and meta["granularity"] == granularity
+
+
+def test_fp8_linear_static_saturates_instead_of_nan():
+    lin = nn.Linear(16, 8)
+    q = Fp8Linear.from_linear(lin, activation_scheme="static", input_scale=1.0 / 448)  # covers |x| <= 1
+    y = q(torch.full((2, 16), 1e6))
+    assert torch.isfinite(y).all()
+    with pytest.raises(ValueError, match="input_scale"):
+        Fp8Linear.from_linear(lin, activation_scheme="static")
+
+
+def test_fp8_gemm_default_dispatch_matches_reference():
+    _, _, xq, xs, wq, ws, bias = _operands(9, 17, 33, torch.float8_e4m3fn, torch.float8_e4m3fn, "per_channel", 3)
+    assert rel_error(fp8_gemm(xq, xs, wq, ws, bias), dequant_gemm(xq, xs, wq, ws, bias)) < 1e-5
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "none"])
+def test_fp8_linear_keeps_bfloat16_models_in_bfloat16(scheme):
+    torch.manual_seed(2)
+    lin = nn.Linear(32, 16).to(torch.bfloat16)
+    q = Fp8Linear.from_linear(lin, activation_scheme=scheme)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    y = q(x)
+    assert y.dtype == torch.bfloat16 and q.bias.dtype == torch.bfloat16
+    assert rel_error(y, lin(x)) < 0.08
+
+
+def test_module_to_dtype_keeps_fp8_codes_and_float32_scales():
+    torch.manual_seed(3)
+    lin = nn.Linear(32, 16)
+    q = Fp8Linear.from_linear(lin, activation_scheme="static", input_scale=0.01)
+    codes = q.weight.clone()
+    q.to(torch.bfloat16)
+    assert q.weight.dtype == torch.float8_e4m3fn and torch.equal(q.weight.view(torch.uint8), codes.view(torch.uint8))
+    assert q.weight_scale.dtype == torch.float32 and q.input_scale.dtype == torch.float32
+    assert q.bias.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("precise_acc", [False, True])
+def test_triton_gemm_tile_configs_match_reference(precise_acc):
+    from compiler.kernels.fp8 import triton_fp8_gemm
+
+    _, _, xq, xs, wq, ws, bias = _operands(37, 80, 160, torch.float8_e4m3fn, torch.float8_e4m3fn, "per_channel", 5)
+    ref = dequant_gemm(xq, xs, wq, ws, bias)
+    for block_m, block_n, block_k in [(16, 32, 32), (32, 64, 128)]:
+        cfg = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": 2,
+               "precise_acc": precise_acc}
+        assert rel_error(triton_fp8_gemm(xq, xs, wq, ws, bias, config=cfg), ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, k", [(3, 50), (9, 5000)])  # 5000 > the kernel's 4096-wide chunk
+@pytest.mark.parametrize("shifted", [False, True])
+def test_triton_activation_cast_matches_torch(dtype, rows, k, shifted):
+    """Scales bitwise, and the saturated values before rounding, rounded by torch, give torch's codes
+    bitwise; with an input shift, those of ``x - shift`` (Fp8Linear's input_shift, fused into the cast).
+    (Triton's interpreter rounds float32 to FP8 in numpy, not exactly to nearest-even;
+    benchmarks/gpu_kernels.py compares the codes a GPU writes with torch's bitwise.)"""
+    from compiler.kernels.fp8 import triton_quantize_rows
+
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(rows, k, generator=g) * 3
+    shift = torch.randn(k, generator=g) * 5 if shifted else None
+    x[1, :7] = 1e6
+    x[0] = shift if shifted else 0  # a row all zero (after any shift) gets the minimum scale, not NaN
+    centred = x - shift if shifted else x
+    static = torch.tensor([1e-3])  # far too small: everything beyond ±max saturates
+    for scale, (q_ref, s_ref) in ((None, quantize_per_token(centred, dtype)),
+                                  (static, (quantize(centred, static, dtype), static))):
+        pre_rounding = torch.empty(rows, k)
+        _, s = triton_quantize_rows(x, dtype, scale, out=pre_rounding, shift=shift)
+        assert torch.equal(s, s_ref)
+        assert torch.isfinite(pre_rounding).all() and pre_rounding.abs().max() <= torch.finfo(dtype).max
+        assert torch.equal(pre_rounding.to(dtype).view(torch.uint8), q_ref.view(torch.uint8))
+        q, _ = triton_quantize_rows(x, dtype, scale, shift=shift)
+        assert q.dtype == dtype and torch.isfinite(q.float()).all()
+
+
+@pytest.mark.parametrize("kernel", ["dequant", "triton"])
+@pytest.mark.parametrize("group", [32, 96])  # 96: the Triton kernel steps K by 32 inside each group
+def test_group_scaled_activations_match_a_hand_dequantized_product(kernel, group):
+    g = torch.Generator().manual_seed(group)
+    x, w = torch.randn(21, 192, generator=g), torch.randn(40, 192, generator=g)
+    x[:, 5] *= 1e5  # one outlier channel: only its own group's scales grow
+    xq, xs = quantize_per_token_group(x, torch.float8_e4m3fn, group)
+    assert xs.shape == (21, 192 // group)
+    wq, ws = quantize(w, w.abs().amax(1, keepdim=True) / 448, torch.float8_e4m3fn), w.abs().amax(1) / 448
+    by_hand = (xq.float().view(21, -1, group) * xs[..., None]).view(21, 192) @ (wq.float() * ws[:, None]).t()
+    assert rel_error(FP8_KERNELS[kernel](xq, xs, wq, ws), by_hand) < 1e-5
+    assert rel_error(fp8_gemm(xq, xs, wq, ws), by_hand) < 1e-5  # the CPU default takes group scales too
+    with pytest.raises(ValueError, match="no per-group activation scales"):
+        FP8_KERNELS["scaled_mm"](xq, xs, wq, ws)
+    # finer scales: per token, the outlier pushes the token's other channels into E4M3's subnormals;
+    # per group, only the channels of its own group
+    rest = slice(group, None)
+    pq, ps = quantize_per_token(x, torch.float8_e4m3fn)
+    per_token = rel_error((pq.float() * ps[:, None])[:, rest], x[:, rest])
+    per_group = rel_error((xq.float().view(21, -1, group) * xs[..., None]).view(21, 192)[:, rest], x[:, rest])
+    assert per_group < 0.05 < per_token
+
+
+def test_fp8_linear_with_activation_groups_round_trips_its_meta():
+    torch.manual_seed(4)
+    lin = nn.Linear(64, 24)
+    q = Fp8Linear.from_linear(lin, activation_group_size=32)
+    x = torch.randn(5, 64)
+    assert rel_error(q(x), lin(x)) < 0.08
+    meta = q.format_meta()
+    assert meta["activation_group_size"] == 32
+    empty = Fp8Linear.empty(meta, 64, 24, True, torch.float32)
+    empty.load_state_dict(q.state_dict())
+    assert torch.equal(empty(x), q(x))
+    with pytest.raises(ValueError, match="must divide in_features"):
+        Fp8Linear.from_linear(lin, activation_group_size=48)
+    with pytest.raises(ValueError, match="needs dynamic activations"):
+        Fp8Linear.from_linear(lin, activation_scheme="static", input_scale=1.0, activation_group_size=32)
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "none"])
+def test_input_shift_spends_the_rounding_on_x_minus_mean(scheme):
+    """Inputs far from zero on a few channels (SmolLM2's outlier channels): subtracting their mean
+    before the cast, with W·mean in the bias, cuts the error; the float form (dequantized weight and
+    bias, what ONNX and msmodelslim export) computes the same function."""
+    torch.manual_seed(2)
+    lin = nn.Linear(64, 32, bias=True)
+    offset = torch.zeros(64)
+    offset[:4] = torch.tensor([40.0, -25.0, 30.0, -60.0])
+    x = torch.randn(50, 64) + offset
+    plain = Fp8Linear.from_linear(lin, activation_scheme=scheme)
+    shifted = Fp8Linear.from_linear(lin, activation_scheme=scheme, input_shift=x.mean(0))
+    ref = lin(x)
+    assert rel_error(shifted(x), ref) < 0.5 * rel_error(plain(x), ref)
+    if scheme == "none":  # no activation rounding: the float form agrees to float error
+        float_form = x @ shifted.dequantized_weight().t() + shifted.dequantized_bias()
+        assert torch.allclose(float_form, shifted(x), atol=1e-4)
+    assert shifted.format_meta()["input_shift"] is True and "input_shift" not in plain.format_meta()
+    clone = Fp8Linear.empty(shifted.format_meta(), 64, 32, False, torch.float32)
+    clone.load_state_dict(shifted.state_dict())  # the loader passes the float layer's bias=False: the shift adds it
+    assert torch.equal(clone(x), shifted(x))
+    assert clone.to(torch.bfloat16).input_shift.dtype == torch.float32
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "static", "none"])
+def test_outlier_channels_stay_out_of_the_cast(scheme):
+    """With ``outliers``, those input channels neither take FP8 rounding nor set a token's scale: the
+    output is the FP8 product of the other channels plus a float product of theirs (by hand here);
+    the float form (dequantized weight and bias, as ONNX exports) agrees, and the meta round-trips."""
+    torch.manual_seed(5)
+    lin = nn.Linear(64, 32, bias=True)
+    x = torch.randn(40, 64)
+    x[:, [7, 30]] *= 300.0  # huge, varying channels: the per-token scale would follow them
+    mean = x.mean(0)
+    idx = torch.tensor([7, 30])
+    rest = torch.ones(64, dtype=torch.bool)
+    rest[idx] = False
+    scale = float((x - mean)[:, rest].abs().max()) / 448
+    q = Fp8Linear.from_linear(lin, activation_scheme=scheme, input_scale=scale, input_shift=mean, outliers=idx)
+    assert torch.equal(q.outlier_weight, lin.weight[:, idx]) and q.weight[:, idx].float().eq(0).all()
+    w_rest = q.dequantized_weight() * rest  # the FP8 columns
+    centred = x - mean
+    if scheme == "dynamic":
+        xq, xs = quantize_per_token(centred * rest, torch.float8_e4m3fn)
+        cast = xq.float() * xs[:, None]
+    elif scheme == "static":
+        cast = quantize(centred * rest, torch.tensor(scale), torch.float8_e4m3fn).float() * scale
+    else:
+        cast = centred * rest
+    by_hand = cast @ w_rest.t() + centred[:, idx] @ lin.weight[:, idx].t() + q.bias
+    assert torch.allclose(q(x), by_hand, atol=1e-4)
+    plain = Fp8Linear.from_linear(lin, activation_scheme=scheme, input_scale=float(centred.abs().max()) / 448,
+                                  input_shift=mean)
+    assert rel_error(q(x), lin(x)) < 0.5 * rel_error(plain(x), lin(x))
+    if scheme == "none":  # no activation rounding: the float form agrees to float error
+        assert torch.allclose(x @ q.dequantized_weight().t() + q.dequantized_bias(), q(x), atol=1e-3)
+    clone = Fp8Linear.empty(q.format_meta(), 64, 32, True, torch.float32)
+    clone.load_state_dict(q.state_dict())
+    assert q.format_meta()["outlier_channels"] == 2 and torch.equal(clone(x), q(x))
+    assert clone.to(torch.bfloat16).outlier_index.dtype == torch.int64
+    with pytest.raises(ValueError, match="outlier_channels must be in"):
+        Fp8Linear(64, 32, False, torch.float32, outlier_channels=64)

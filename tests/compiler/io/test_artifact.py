@@ -1,0 +1,110 @@
+"""Artifacts: round trip (float and INT4), manifest contents, atomic writes, corruption detection."""
+import json
+
+import pytest
+import torch
+
+from compiler.errors import ArtifactError
+from compiler.formats.int4 import Int4Linear
+from compiler.formats.qlinear import linear_modules
+from compiler.io.artifact import load_artifact, read_manifest
+from compiler.io.load import load_checkpoint
+from compiler.pipeline import PipelineConfig
+from compiler.pipeline.compile import compile_model
+
+
+def ids(vocab, T=16, seed=0):
+    return torch.randint(0, vocab, (2, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_float_artifact_round_trip(tiny_checkpoint_with_tokenizer, tmp_path):
+    src, hf = tiny_checkpoint_with_tokenizer("qwen2", tie_word_embeddings=True)
+    result = compile_model(src, PipelineConfig(), tmp_path / "art")
+    loaded = load_artifact(result.path)
+    x = ids(hf.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(loaded.model(x), result.loaded.model(x))
+    assert loaded.tokenizer("def f(x)")["input_ids"] == result.loaded.tokenizer("def f(x)")["input_ids"]
+    m = read_manifest(result.path)
+    assert m["schema_version"] == 1 and m["source"]["kind"] == "hf" and len(m["source"]["sha256"]) == 64
+    assert m["pipeline"]["passes"] == [] and m["aliases"] == {"lm_head.weight": "embed_tokens.weight"}
+    assert all(len(t["sha256"]) == 64 for t in m["tensors"].values())
+    assert loaded.model.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+def test_int4_artifact_round_trip(tiny_checkpoint, tmp_path):
+    from compiler.io.artifact import save_artifact
+
+    src, _ = tiny_checkpoint("llama", hidden_size=96)  # 96: g64 does not divide -> padded blocks
+    loaded = load_checkpoint(src)
+    for name, linear in linear_modules(loaded.model).items():
+        if name != "lm_head":
+            loaded.model.set_submodule(name, Int4Linear.from_float(linear, 64))
+    save_artifact(tmp_path / "int4", loaded.model, None, loaded.source, {}, [])
+    back = load_artifact(tmp_path / "int4")
+    x = ids(128)
+    with torch.no_grad():
+        assert torch.equal(back.model(x), loaded.model(x))
+    q = back.model.layers[0].mlp.down_proj
+    assert isinstance(q, Int4Linear) and q.format_meta()["padded_in_features"] == 128
+    manifest = read_manifest(tmp_path / "int4")
+    assert manifest["modules"]["layers.0.self_attn.q_proj"]["format"] == "int4"
+    assert manifest["tensors"]["layers.0.self_attn.q_proj.qweight"]["dtype"] == "uint8"
+
+
+def test_existing_output_needs_force(tiny_checkpoint, tmp_path):
+    src, _ = tiny_checkpoint("llama")
+    compile_model(src, PipelineConfig(), tmp_path / "art")
+    with pytest.raises(ArtifactError, match="already exists.*--force"):
+        compile_model(src, PipelineConfig(), tmp_path / "art")
+    compile_model(src, PipelineConfig(), tmp_path / "art", force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "tiny-llama"]
+
+
+def test_interrupted_write_leaves_nothing(tiny_checkpoint, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    src, _ = tiny_checkpoint("llama")
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    with pytest.raises(KeyboardInterrupt):
+        compile_model(src, PipelineConfig(), tmp_path / "art")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]
+
+
+@pytest.fixture
+def artifact(tiny_checkpoint, tmp_path):
+    src, _ = tiny_checkpoint("llama")
+    return compile_model(src, PipelineConfig(), tmp_path / "art").path
+
+
+def test_flipped_byte_fails_checksum(artifact):
+    f = artifact / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-10] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="fails its checksum"):
+        load_artifact(artifact)
+
+
+def test_truncated_weights(artifact):
+    f = artifact / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(ArtifactError, match="corrupt or truncated"):
+        load_artifact(artifact)
+
+
+def test_schema_version_and_missing_manifest(artifact, tmp_path):
+    m = json.loads((artifact / "manifest.json").read_text())
+    m["schema_version"] = 99
+    (artifact / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="schema version 99"):
+        load_artifact(artifact)
+    with pytest.raises(ArtifactError, match="not a qcompile artifact"):
+        load_artifact(tmp_path)
+    (artifact / "manifest.json").write_text("{")
+    with pytest.raises(ArtifactError, match="corrupt"):
+        load_artifact(artifact)

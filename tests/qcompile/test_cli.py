@@ -1,0 +1,74 @@
+"""The command line as a user meets it: real processes, exit codes, one-line errors."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def qcompile(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "qcompile", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+
+
+@pytest.fixture
+def tiny_artifact(tiny_checkpoint_with_tokenizer, tmp_path):
+    src, _ = tiny_checkpoint_with_tokenizer("llama")
+    (tmp_path / "float.toml").write_text('[calibration]\nsamples = 4\nseq_len = 32\n')
+    r = qcompile("compile", src, "-c", tmp_path / "float.toml", "-o", tmp_path / "art")
+    assert r.returncode == 0, r.stderr
+    return src, tmp_path / "art"
+
+
+def test_compile_inspect_eval(tiny_artifact):
+    src, art = tiny_artifact
+    r = qcompile("inspect", art, "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["formats"] == {"float32": 16} and summary["size"]["weights_bytes"] > 0
+    assert all(layer["bits_per_weight"] == 32 for layer in summary["layers"])
+    assert "layers" in qcompile("inspect", art).stdout
+    results = []
+    for path in (src, art):
+        r = qcompile("eval", path, "--windows", "2", "--json")
+        assert r.returncode == 0, r.stderr
+        results.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert results[0] == results[1] and results[0]["tokens"] == 2 * 511
+
+
+@pytest.mark.parametrize("toml, message", [
+    ('[[passes]]\nname = "awk"\n', "passes[0]: unknown pass 'awk'"),
+    ('[calibration]\nsampels = 3\n', "[calibration]: unknown option 'sampels'; did you mean 'samples'?"),
+    ('[model\n', "not valid TOML"),
+])
+def test_bad_pipeline_is_one_line(tiny_checkpoint, tmp_path, toml, message):
+    src, _ = tiny_checkpoint("llama")
+    (tmp_path / "p.toml").write_text(toml)
+    r = qcompile("compile", src, "-c", tmp_path / "p.toml", "-o", tmp_path / "out")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"error: {r.stderr.strip().removeprefix('error: ')}"]
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_debug_shows_traceback(tmp_path):
+    r = qcompile("--debug", "eval", tmp_path / "missing")
+    assert r.returncode != 0 and "Traceback" in r.stderr and "CheckpointError" in r.stderr
+
+
+def test_bad_inputs_exit_nonzero(tmp_path):
+    r = qcompile("eval", tmp_path / "missing")
+    assert r.returncode == 2 and "no such file or directory" in r.stderr and "Traceback" not in r.stderr
+    r = qcompile("inspect", tmp_path)
+    assert r.returncode == 2 and "not a qcompile artifact" in r.stderr
+    r = qcompile("eval", "x", "--windows", "0")
+    assert r.returncode == 2  # click's own usage error
+
+
+@pytest.mark.slow
+def test_smollm2_perplexity_protocol():
+    """The issue's figure: transformers' own forward gives 11.327 on pydoc, 16 windows."""
+    r = qcompile("eval", "smollm2", "--windows", "16", "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["tokens"] == 16 * 511
+    assert abs(result["ppl"] - 11.327) < 0.01
