@@ -5,6 +5,7 @@ The bottom layer: it imports nothing from the rest of qcompile.
 from calib.corpus import CorpusError, load_corpus_text
 from calib.perplexity import perplexity
 from calib.protocol import (
+    SPLITS,
     CalibrationConfig,
     TokenSplit,
     calibration_windows,
@@ -15,6 +16,7 @@ from calib.protocol import (
 __all__ = [
     "CorpusError",
     "load_corpus_text",
+    "SPLITS",
     "CalibrationConfig",
     "TokenSplit",
     "split_tokens",

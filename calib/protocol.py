@@ -1,9 +1,13 @@
 """The shared data protocol, so that figures compare across tools.
 
-Tokenize the whole corpus once. Tokens [0, 70%) are the calibration pool, [70%, 100%) the
-evaluation region. Calibration draws ``samples`` windows of ``seq_len`` tokens from the pool
-(seeded); perplexity uses non-overlapping windows of ``eval_len`` tokens from the start of the
-evaluation region.
+Tokenize the whole corpus once. Tokens [0, 70%) are the calibration pool, [70%, 85%) the
+evaluation region, [85%, 100%) the validation region. Calibration draws ``samples`` windows of
+``seq_len`` tokens from the pool (seeded); perplexity uses non-overlapping windows of
+``eval_len`` tokens from the start of a region.
+
+Reported figures are measured on the evaluation region. Choices — an option's default, a grid,
+a threshold — are made on the validation region, so no reported figure is one a choice was fit
+to. The two never overlap.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 CALIBRATION_FRACTION = 0.7
+VALIDATION_FRACTION = 0.15  # the corpus's last 15%
+SPLITS = ("evaluation", "validation")
 
 
 @dataclass(frozen=True)
@@ -33,13 +39,21 @@ class CalibrationConfig:
 @dataclass(frozen=True)
 class TokenSplit:
     pool: torch.Tensor  # [N_pool] calibration/training tokens
-    evaluation: torch.Tensor  # [N_eval] held-out tokens
+    evaluation: torch.Tensor  # [N_eval] held-out tokens whose figures are reported
+    validation: torch.Tensor  # [N_val] held-out tokens that choices are made on
+
+    def region(self, split: str) -> torch.Tensor:
+        """The held-out tokens of ``split`` ("evaluation" or "validation")."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+        return self.evaluation if split == "evaluation" else self.validation
 
 
 def split_tokens(token_ids: torch.Tensor | list[int]) -> TokenSplit:
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
     cut = int(len(ids) * CALIBRATION_FRACTION)
-    return TokenSplit(pool=ids[:cut], evaluation=ids[cut:])
+    val = int(len(ids) * (1 - VALIDATION_FRACTION))
+    return TokenSplit(pool=ids[:cut], evaluation=ids[cut:val], validation=ids[val:])
 
 
 def calibration_windows(pool: torch.Tensor, samples: int, seq_len: int, seed: int) -> torch.Tensor:

@@ -68,12 +68,14 @@ def compile(model: "str | Path | LoadedModel", pipeline: "str | Path | dict | Pi
     return compile_model(model, config, output, allow_pickle, force)
 
 
-def evaluate(model: "str | Path | LoadedModel", corpus: str = "pydoc", windows: int = 16) -> dict:
-    """Perplexity ``{"ppl", "tokens", "nll"}`` on the first ``windows`` 512-token evaluation windows
-    of ``corpus`` (``"pydoc"``, a ``.txt`` file or folder, ``FILE.jsonl[:field]``)."""
+def evaluate(model: "str | Path | LoadedModel", corpus: str = "pydoc", windows: int = 16,
+             split: str = "evaluation") -> dict:
+    """Perplexity ``{"ppl", "tokens", "nll"}`` on the first ``windows`` 512-token windows of
+    ``corpus`` (``"pydoc"``, a ``.txt`` file or folder, ``FILE.jsonl[:field]``): of its evaluation
+    region (reported figures) or its validation region (for choosing settings)."""
     from compiler.pipeline.evaluate import evaluate_perplexity
 
-    return evaluate_perplexity(_loaded(model), corpus, windows)
+    return evaluate_perplexity(_loaded(model), corpus, windows, split=split)
 
 
 def generate(model: "str | Path | LoadedModel", prompt: str, max_tokens: int = 64) -> str:

@@ -15,11 +15,13 @@ def corpus_split(tokenizer, corpus: str):
     return split_tokens(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def evaluate_perplexity(loaded: LoadedModel, corpus: str = "pydoc", windows: int = 16, eval_len: int = 512) -> dict:
-    """``{"ppl", "tokens", "nll"}`` on the first ``windows`` evaluation windows of ``corpus``."""
-    split = corpus_split(loaded.tokenizer, corpus)
+def evaluate_perplexity(loaded: LoadedModel, corpus: str = "pydoc", windows: int = 16, eval_len: int = 512,
+                        split: str = "evaluation") -> dict:
+    """``{"ppl", "tokens", "nll"}`` on the first ``windows`` windows of ``corpus``'s ``split`` region:
+    "evaluation" for figures that are reported, "validation" for choosing settings."""
+    tokens = corpus_split(loaded.tokenizer, corpus)
     try:
-        batch = evaluation_windows(split.evaluation, windows, eval_len)
+        batch = evaluation_windows(tokens.region(split), windows, eval_len)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     model = loaded.model

@@ -47,20 +47,22 @@ def eval_cmd(
     path: str = typer.Argument(..., help="Checkpoint or artifact."),
     corpus: str = typer.Option("pydoc", help="pydoc, a .txt file, a folder of .txt, or FILE.jsonl[:field]."),
     windows: int = typer.Option(16, min=1, help="Number of 512-token evaluation windows."),
+    split: str = typer.Option("evaluation", help="evaluation (reported figures) or validation (for choosing settings)."),
     as_json: bool = typer.Option(False, "--json", help="Print {\"ppl\": ..., \"tokens\": ...}."),
     allow_pickle: bool = typer.Option(False, "--allow-pickle"),
     dtype: str = typer.Option("float32", help="Compute dtype for checkpoints (artifacts keep their own)."),
 ):
-    """Perplexity on the evaluation region of a corpus (the shared protocol)."""
+    """Perplexity on the evaluation (or validation) region of a corpus (the shared protocol)."""
     from compiler.io.load import load_checkpoint
     from compiler.pipeline.evaluate import evaluate_perplexity
 
     loaded = load_checkpoint(path, dtype, allow_pickle)
-    result = evaluate_perplexity(loaded, corpus, windows)
+    result = evaluate_perplexity(loaded, corpus, windows, split=split)
     if as_json:
-        print(json.dumps({"ppl": result["ppl"], "tokens": result["tokens"]}))
+        print(json.dumps({"ppl": result["ppl"], "tokens": result["tokens"], "split": split}))
     else:
-        out.print(f"perplexity [bold]{result['ppl']:.4f}[/bold] over {result['tokens']} tokens ({corpus}, {windows} windows)")
+        out.print(f"perplexity [bold]{result['ppl']:.4f}[/bold] over {result['tokens']} tokens "
+                  f"({corpus}, {split} region, {windows} windows)")
 
 
 @app.command("inspect")

@@ -1,4 +1,4 @@
-"""Corpora, the 70/30 split protocol, seeded calibration windows and perplexity."""
+"""Corpora, the 70/15/15 split protocol, seeded calibration windows and perplexity."""
 import json
 import math
 
@@ -64,10 +64,20 @@ def test_split_and_windows():
     assert a.shape == (5, 64) and torch.equal(a, calibration_windows(split.pool, 5, 64, seed=3))
     assert not torch.equal(a, calibration_windows(split.pool, 5, 64, seed=4))
     assert int(a.max()) < 700  # never drawn from the evaluation region
-    w = evaluation_windows(split.evaluation, 2, eval_len=128)
-    assert w[0, 0].item() == 700 and w[1, 0].item() == 828
+    w = evaluation_windows(split.evaluation, 2, eval_len=64)
+    assert w[0, 0].item() == 700 and w[1, 0].item() == 764
     with pytest.raises(ValueError, match="fewer than the 3"):
-        evaluation_windows(split.evaluation, 3, eval_len=128)
+        evaluation_windows(split.evaluation, 3, eval_len=64)
+
+
+def test_validation_region_is_apart_from_the_reported_one():
+    split = split_tokens(list(range(1000)))
+    assert split.evaluation.tolist() == list(range(700, 850)) and split.validation.tolist() == list(range(850, 1000))
+    assert split.region("evaluation") is split.evaluation and split.region("validation") is split.validation
+    v = evaluation_windows(split.region("validation"), 2, eval_len=64)
+    assert v[0, 0].item() == 850 and not set(v.flatten().tolist()) & set(split.evaluation.tolist())
+    with pytest.raises(ValueError, match="unknown split 'test'"):
+        split.region("test")
 
 
 def test_perplexity_of_a_known_distribution():
