@@ -43,8 +43,8 @@ STDLIB_MODULES = ("argparse", "asyncio.events", "collections", "concurrent.futur
 
 
 # Training text beside the pydoc pool (--train-docs): the docstrings of numpy, which ships with
-# qcompile's own numpy dependency; its pool is trained on, as pydoc's is. docs/BENCHMARKS.md gives
-# its n-gram overlap with both held-out regions.
+# qcompile's own numpy dependency; its pool is trained on, as pydoc's is.
+# docs/notes/2026-12-distill-real-docs-text.md gives its n-gram overlap with both held-out regions.
 NUMPY_MODULES = ("numpy", "numpy.linalg", "numpy.random", "numpy.fft", "numpy.polynomial")
 
 

@@ -36,7 +36,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for both sides (see BENCHMARKS.md)")
+    ap.add_argument("--threads", type=int, default=1, help='torch CPU threads for both sides (see docs/BENCHMARKS.md, "Serving engine: paged KV cache, batching, prefix caching")')
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 

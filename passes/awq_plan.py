@@ -84,9 +84,9 @@ class ScalingGroup:
     # The module whose output scores the α grid when it is more than the linears themselves
     # (AutoAWQ's ``module2inspect``): errors in q/k pass through softmax, in gate/up through SiLU.
     inspect: str | None = None
-    # Whether duo scaling applies here under duo_scaling = "auto". On SmolLM2-135M (docs/BENCHMARKS.md)
-    # duo scaling on up → down costs 0.29 perplexity at g128 and gains 0.12 at g64, so "auto" leaves it
-    # out there; "all" (AutoAWQ) puts it back.
+    # Whether duo scaling applies here under duo_scaling = "auto". On SmolLM2-135M
+    # (docs/notes/2026-11-awq-int4-smollm2.md) duo scaling on up → down costs 0.29 perplexity at g128
+    # and gains 0.12 at g64, so "auto" leaves it out there; "all" (AutoAWQ) puts it back.
     duo: bool = True
 
 

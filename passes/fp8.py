@@ -68,11 +68,11 @@ class Fp8Options:
     activation_group_size: int = 0
     # Subtract each input channel's calibration mean before quantizing and add W·mean back as a
     # bias (Outlier Suppression+'s shift): FP8 error is relative, so it is then spent on x − mean.
-    # On SmolLM2 it cuts the KL to float by 19% (dynamic) and 30% (static); see docs/BENCHMARKS.md.
+    # On SmolLM2 it cuts the KL to float by 19% (dynamic) and 30% (static); see docs/notes/2026-11-fp8-input-shift.md.
     input_shift: bool = True
     # Keep this many input channels of each Linear (those of largest calibrated mean square, after
     # the shift) out of the FP8 cast, in the model dtype, with their weight columns (QUIK). On
-    # SmolLM2, 32 of 576 cut the W8A8 KL to float by a third; see docs/BENCHMARKS.md.
+    # SmolLM2, 32 of 576 cut the W8A8 KL to float by a third; see docs/BENCHMARKS.md, "FP8 quality (SmolLM2-135M)".
     outlier_channels: int = 0
     # Static scales: "absmax" covers every calibration token; "percentile" covers that percentile
     # of the tokens' abs-maxima (the rest saturate), trading rare outliers for finer steps.

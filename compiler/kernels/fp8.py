@@ -11,7 +11,7 @@ activation scales per token and group of A_GROUP columns, BLOCK_K divides A_GROU
 lies in one group: its partial product is scaled by that group's [BLOCK_M] scales as it is added.
 Hopper's FP8 tensor cores accumulate with fewer than float32's bits; ``precise_acc`` promotes the
 partial sums into the float32 accumulator every BLOCK_K products (as DeepSeek-V3 does every 128),
-which bounds the error growth in K at a 35–45% cost in speed (docs/BENCHMARKS.md).
+which bounds the error growth in K at a 35–45% cost in speed (docs/BENCHMARKS.md, "GPU kernels on an H200").
 
 The activation cast (``triton_quantize_rows``): one program per row finds the row's absolute
 maximum (dynamic) or reads the static scale, then writes the saturated FP8 codes, in one kernel

@@ -14,7 +14,7 @@ Three implementations of one contract, all compared in tests on fresh random inp
 ``fp8_gemm`` picks by device: Triton on CUDA, ``_scaled_mm`` on the CPU (the reference for group
 scales), the reference on anything else. On the CPU, FP8 saves memory, not time: with no FP8
 arithmetic there, both ``_scaled_mm`` and dequantize-matmul are slower than a float32 matmul
-(docs/BENCHMARKS.md, "FP8 casts").
+(docs/BENCHMARKS.md, "FP8 GEMM on the CPU").
 """
 from __future__ import annotations
 

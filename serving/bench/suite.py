@@ -1,6 +1,6 @@
 """A benchmark: a sweep of load points, each run ``repeat`` times, into one versioned result.
 
-Result JSON (``SCHEMA_VERSION`` 1; documented in docs/BENCHMARKS.md)::
+Result JSON (``SCHEMA_VERSION`` 1; documented in docs/BENCH.md)::
 
     {"schema": "qcompile.bench", "schema_version": 1, "created": ISO-8601 UTC,
      "target": str, "adapter": str, "environment": {...}, "workload": {...}, "slos_ms": {...},
