@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compiler.kernels.fp8_gemm
-from compiler.formats.fp8 import Fp8Linear
+from compiler.formats.fp8 import Fp8Format, Fp8Linear
 from compiler.formats.int4 import Int4Linear
 from compiler.kernels.fp8 import default_config, triton_fp8_gemm, triton_quantize_rows
 from compiler.kernels.fp8_gemm import dequant_gemm, scaled_mm_gemm
@@ -169,9 +169,11 @@ def speed_fp8(device) -> list[dict]:
             x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
             lin = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
             q = Fp8Linear.from_linear(lin)
-            q64 = Fp8Linear.from_linear(lin, activation_group_size=64)
-            q_shift = Fp8Linear.from_linear(lin, input_shift=torch.randn(k, device=device))
-            q_outliers = Fp8Linear.from_linear(lin, input_shift=q_shift.input_shift,
+            q64 = Fp8Linear.from_linear(lin, Fp8Format.for_linear(lin, activation_group_size=64))
+            q_shift = Fp8Linear.from_linear(lin, Fp8Format.for_linear(lin, input_shift=True),
+                                            input_shift=torch.randn(k, device=device))
+            q_outliers = Fp8Linear.from_linear(lin, Fp8Format.for_linear(lin, input_shift=True, outlier_channels=32),
+                                               input_shift=q_shift.input_shift,
                                                outliers=torch.randperm(k, device=device)[:32].sort().values)
             xq, xs = quantize_per_token(x, E4M3)
             flop = 2 * tokens * k * n
@@ -264,8 +266,10 @@ def convert(model: Transformer, fmt: str, stats: dict | None = None) -> Transfor
                         new = Int4Linear.from_float(child, 64)
                     else:
                         mean, outliers = stats[child] if stats else (None, None)
-                        new = Fp8Linear.from_linear(child, input_shift=mean,
-                                                    outliers=outliers if fmt == "fp8-outliers" else None)
+                        outliers = outliers if fmt == "fp8-outliers" else None
+                        spec = Fp8Format.for_linear(child, input_shift=mean is not None,
+                                                    outlier_channels=0 if outliers is None else len(outliers))
+                        new = Fp8Linear.from_linear(child, spec, input_shift=mean, outliers=outliers)
                     setattr(parent, name, new)
     return model
 

@@ -3,8 +3,9 @@
 Block by block over the decoder (memory: the calibration activations of one block):
 
 1. capture: run the float block on every calibration sequence; its outputs become the next
-   block's inputs; hooks collect, for the input of each scaling group, mean |x| per channel
-   over every token and the Gram matrix X^T X of a token subsample (``search_tokens``).
+   block's inputs; the calibration collector (``compiler.pipeline.calibration.collect_block``)
+   records, for the input of each scaling group, mean |x| per channel over every token and the
+   Gram matrix X^T X of a seeded token subsample (``search_tokens``).
 2. scale search, per scaling group (input_layernorm → q/k/v, v → o, post_attention_layernorm
    → gate/up, up → down; see ``awq_plan.SCALING_GROUPS``): s = mean|x|^α / mean|ŵ|^(1-α)
    (AutoAWQ's duo scaling; s = mean|x|^α without it, and by default on up → down, see
@@ -37,7 +38,19 @@ import torch
 from compiler.deploy.targets import get_target
 from compiler.errors import ConfigError
 from compiler.formats.int4 import Int4Linear
-from compiler.pipeline import Pass, PassContext, PassReport, register_pass
+from compiler.pipeline import (
+    LayerDecision,
+    Pass,
+    PassContext,
+    PassReport,
+    register_pass,
+)
+from compiler.pipeline.calibration import (
+    InputRequest,
+    InputStatistics,
+    TokenSampler,
+    collect_block,
+)
 from compiler.progress import track
 from passes.awq_plan import (
     NO_CLIP,
@@ -49,7 +62,6 @@ from passes.awq_plan import (
     smaller_groups,
 )
 from passes.awq_search import (
-    InputStats,
     quant_error,
     rank_scales,
     relative_error,
@@ -84,8 +96,8 @@ class AWQPass(Pass):
         plans, excluded = plan_layers(model.config, opts)
         windows = context.calibration_windows()  # [S, T]
         report = PassReport(self.name)
-        report.layers += [{"layer": n, "format": "float", "why": f"modules_to_not_convert {p!r}"} for n, p in excluded.items()]
-        gen = torch.Generator().manual_seed(context.calibration.seed)
+        report.layers += [LayerDecision(n, "float", f"modules_to_not_convert {p!r}") for n, p in excluded.items()]
+        sampler = TokenSampler(opts.search_tokens, windows.numel(), torch.Generator().manual_seed(context.calibration.seed))
         x = model.embed_tokens(windows)  # [S, T, dim]
         positions = torch.arange(windows.shape[1]).expand(min(opts.batch_size, len(windows)), -1)
         cos, sin = model.rope(positions, x.dtype)
@@ -93,7 +105,7 @@ class AWQPass(Pass):
         k = min(opts.module_sequences, positions.shape[0])
         for block in track(model.layers, "awq: blocks", total=len(model.layers)):
             sample = (x[:k], cos[:k], sin[:k], positions[:k])  # the block's float inputs, for module scoring
-            x, stats = self._capture(block, x, cos, sin, positions, gen)
+            x, stats = self._capture(block, x, cos, sin, positions, sampler)
             worker = BlockQuantizer(model, prefix_of[id(block)], plans, opts, context.target)
             report.layers += worker.run(stats, sample)
         report.metrics = _metrics(report.layers, windows, opts)
@@ -104,29 +116,14 @@ class AWQPass(Pass):
                             f"{'GPTQ' if opts.weight_rounding == 'gptq' else 'round-to-nearest'} rounding")
         return report
 
-    def _capture(self, block, x, cos, sin, positions, gen):
-        """Run the float block over every sequence; return its outputs and the groups' input stats."""
+    @staticmethod
+    def _capture(block, x, cos, sin, positions, sampler: TokenSampler):
+        """Run the float block over every sequence; return its outputs and, per scaling group's
+        first linear, mean |x| and the Gram matrix of the sampled tokens of its input."""
         groups = SCALING_GROUPS[block.self_attn.config.architecture]
-        total = x.shape[0] * x.shape[1]
-        stats, hooks, rows = {}, [], {}
-        for group in groups:
-            linear = block.get_submodule(group.linears[0])
-            stats[group.linears[0]] = st = InputStats(linear.in_features)
-            hooks.append(linear.register_forward_pre_hook(lambda _m, args, st=st: st.add(args[0], rows["now"])))
-        out = torch.empty_like(x)
-        b = positions.shape[0]
-        try:
-            for start in range(0, x.shape[0], b):
-                chunk = x[start : start + b]
-                n_tokens = chunk.shape[0] * chunk.shape[1]
-                keep = max(1, round(self.options.search_tokens * n_tokens / total))
-                rows["now"] = torch.randperm(n_tokens, generator=gen)[: min(keep, n_tokens)]
-                n = chunk.shape[0]
-                out[start : start + n] = block(chunk, cos[:n], sin[:n], positions[:n])
-        finally:
-            for h in hooks:
-                h.remove()
-        return out, stats
+        requests = {g.linears[0]: InputRequest(mean_abs=True, gram="sampled") for g in groups}
+        out, stats = collect_block(block, x, cos, sin, positions, requests, sampler)
+        return out, stats.inputs
 
 
 class BlockQuantizer:
@@ -138,20 +135,23 @@ class BlockQuantizer:
         self.config = model.config
         self.inspected: dict[str, tuple[tuple, torch.Tensor]] = {}  # set by run(); empty: Gram loss only
 
-    def run(self, stats: dict[str, InputStats], sample: tuple) -> list[dict]:
+    def run(self, stats: dict[str, InputStatistics], sample: tuple) -> list[LayerDecision]:
         """Search, fold and quantize; return one report row per converted linear. ``sample``:
         block inputs (x, cos, sin, positions) of a few calibration sequences for module scoring."""
         self.inspected = self._inspect_modules(sample)
         rows, hessians = self.search_and_fold(stats)
         for name, row in rows.items():
-            row.update(self._quantize(name, hessians[name]))
+            metrics, why = self._quantize(name, hessians[name])
+            row.metrics.update(metrics)
+            if why:
+                row.reason = f"{row.reason}; {why}"
         return list(rows.values())
 
-    def search_and_fold(self, stats: dict[str, InputStats]) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
+    def search_and_fold(self, stats: dict[str, InputStatistics]) -> tuple[dict[str, LayerDecision], dict[str, torch.Tensor]]:
         """Steps 2-3: the block's float function is unchanged; returns report rows and the
         Gram matrices of each linear's (now scaled) input."""
         groups = SCALING_GROUPS[self.config.architecture]
-        rows: dict[str, dict] = {}
+        rows: dict[str, LayerDecision] = {}
         hessians: dict[str, torch.Tensor] = {}
         searched = []
         # Search every group on the original block first (as llm-awq does), then fold all scales.
@@ -162,9 +162,9 @@ class BlockQuantizer:
                 hessians[name] = h
                 if (plan := self.plans.get(self.prefix + name)) is not None:
                     w = self.block.get_submodule(name).weight.float()
-                    rows[name] = {"layer": plan.name, "group_size": plan.group_size, "why": plan.reason,
-                                  "scale_group": _group_label(group),
-                                  "rel_error_rtn": relative_error(w, quant_error(w, plan.group_size, self.opts.zero_point), h)}
+                    rtn = relative_error(w, quant_error(w, plan.group_size, self.opts.zero_point), h)
+                    rows[name] = LayerDecision(plan.name, "int4", plan.reason, {
+                        "group_size": plan.group_size, "scale_group": _group_label(group), "rel_error_rtn": rtn})
             searched.append((group, self._search(group, st, h)))
         for group, found in searched:
             if found is None:
@@ -174,7 +174,7 @@ class BlockQuantizer:
             for name in group.linears:
                 hessians[name] = hessians[name] / torch.outer(s_cols, s_cols)
                 if name in rows:
-                    rows[name]["alpha"] = alpha
+                    rows[name].metrics["alpha"] = alpha
         return rows, hessians
 
     def _inspect_modules(self, sample: tuple) -> dict[str, tuple[tuple, torch.Tensor]]:
@@ -223,7 +223,7 @@ class BlockQuantizer:
         col = torch.arange(k)
         return (col // hd // n_rep) * hd + col % hd  # q head h reads kv head h // n_rep
 
-    def _search(self, group: ScalingGroup, st: InputStats, h: torch.Tensor):
+    def _search(self, group: ScalingGroup, st: InputStatistics, h: torch.Tensor):
         converted = [n for n in group.linears if self.prefix + n in self.plans]
         if not converted:
             return None  # nothing quantized here: no reason to move the scales
@@ -257,8 +257,9 @@ class BlockQuantizer:
             lin = self.block.get_submodule(name)
             lin.weight.mul_(s_cols.to(lin.weight.dtype)[None, :])
 
-    def _quantize(self, name: str, h: torch.Tensor) -> dict:
-        """Clip-search and quantize one (already scaled) linear; retry smaller groups if too lossy."""
+    def _quantize(self, name: str, h: torch.Tensor) -> tuple[dict, str | None]:
+        """Clip-search and quantize one (already scaled) linear; retry smaller groups if too lossy.
+        Returns the row's metrics and what ``max_layer_error`` made of it (None: nothing)."""
         plan, opts = self.plans[self.prefix + name], self.opts
         linear = self.block.get_submodule(name)
         w = linear.weight.float()
@@ -280,10 +281,7 @@ class BlockQuantizer:
             why = f"max_layer_error: relative error {err:.4f} > {opts.max_layer_error} at g{g}, retried with g{retry[0]}"
             g = retry[0]
         self.block.set_submodule(name, q)
-        row = {"group_size": g, "clip_ratio": round(float(clip.mean()), 4), "rel_error_awq": err}
-        if why:
-            row["why"] = f"{plan.reason}; {why}"
-        return row
+        return {"group_size": g, "clip_ratio": round(float(clip.mean()), 4), "rel_error_awq": err}, why
 
     def _target_accepts(self, plan: LayerPlan, g: int) -> bool:
         if self.target is None:
@@ -300,8 +298,8 @@ def _group_label(group: ScalingGroup) -> str:
     return f"{group.prev} → {', '.join(n.rpartition('.')[2] for n in group.linears)}"
 
 
-def _metrics(layers: list[dict], windows: torch.Tensor, opts: AWQOptions) -> dict:
-    quantized = [r for r in layers if "rel_error_awq" in r]
+def _metrics(layers: list[LayerDecision], windows: torch.Tensor, opts: AWQOptions) -> dict:
+    quantized = [r.metrics for r in layers if r.format == "int4"]
     mean = lambda key: sum(r[key] for r in quantized) / max(len(quantized), 1)  # noqa: E731
     sizes: dict[str, int] = {}
     for r in quantized:

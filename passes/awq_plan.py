@@ -5,18 +5,15 @@ before any calibration work.
 """
 from __future__ import annotations
 
-import fnmatch
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
 from compiler.errors import ConfigError
 from compiler.formats.qlinear import linear_modules
 from compiler.model.config import ModelConfig
-from compiler.model.transformer import Transformer
+from compiler.pipeline.selection import excluded_by, meta_model
 from compiler.quant.int4 import GROUP_SIZES, padded_width
 
 
@@ -38,6 +35,7 @@ class AWQOptions:
     search_tokens = 8192          # tokens per block the searches' Gram matrices are built on
     weight_rounding = "gptq"      # GPTQ's error-compensating rounding on AWQ's scales and clip ("nearest": RTN)
     gptq_damp = 0.01              # GPTQ's dampening, a fraction of the Hessian's mean diagonal
+    modules_to_not_convert = ["lm_head"]  # kept in float: globs over names or dotted parts (compiler/pipeline/selection.py)
     """
 
     group_size: int = 128
@@ -123,17 +121,7 @@ class LayerPlan:
 
 def float_linears(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """Every Linear of the model as name -> (in_features, out_features), built on the meta device."""
-    with torch.device("meta"):
-        model = Transformer(config)
-    return {name: (m.in_features, m.out_features) for name, m in linear_modules(model).items()}
-
-
-def excluded_by(name: str, patterns: list[str]) -> str | None:
-    """The first ``modules_to_not_convert`` pattern (glob, or a plain name/suffix) matching ``name``."""
-    for p in patterns:
-        if fnmatch.fnmatchcase(name, p) or name == p or name.endswith("." + p):
-            return p
-    return None
+    return {name: (m.in_features, m.out_features) for name, m in linear_modules(meta_model(config)).items()}
 
 
 def fallback_group(in_features: int, group_size: int) -> int | None:

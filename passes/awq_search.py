@@ -1,4 +1,4 @@
-"""AWQ's two searches (scales, clipping) and the statistics they run on.
+"""AWQ's two searches (scales, clipping) on the statistics of each block's inputs.
 
 Every loss here (the scale search's first cut, and the clip search) is the output error of
 the affected linear layers on calibration tokens, computed exactly from the Gram matrix of
@@ -6,7 +6,8 @@ their inputs: for inputs X [T, K] and a weight error D = Q(W) - W [N, K],
 
     ||X D^T||^2 = sum((D @ H) * D)    with H = X^T X  [K, K].
 
-H is accumulated once per block (on a subsample of the captured tokens), so each point of
+H is accumulated once per block, on a subsample of the captured tokens, by the calibration
+collector (``compiler.pipeline.calibration``, ``gram="sampled"``), so each point of
 the α grid or the clip grid costs one [N, K] x [K, K] product instead of a forward pass over
 every calibration token — this is where the speed over the reference implementations
 (which re-run the block's sub-modules on all tokens for each grid point) comes from.
@@ -16,34 +17,6 @@ from __future__ import annotations
 import torch
 
 from compiler.quant.int4 import QMAX, SYMMETRIC_ZERO, pad_columns
-
-
-class InputStats:
-    """Per-channel mean |x| over every token, and the Gram matrix of a token subsample."""
-
-    def __init__(self, in_features: int):
-        self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
-        self.tokens = 0
-        self.gram = torch.zeros(in_features, in_features)
-        self.gram_tokens = 0
-
-    def add(self, x: torch.Tensor, rows: torch.Tensor) -> None:
-        """x: [..., K] inputs of one chunk; rows: indices of the flattened tokens kept for the Gram."""
-        flat = x.reshape(-1, x.shape[-1]).float()
-        self.abs_sum += flat.abs().sum(0, dtype=torch.float64)
-        self.tokens += flat.shape[0]
-        sample = flat[rows]
-        self.gram.addmm_(sample.T, sample)
-        self.gram_tokens += sample.shape[0]
-
-    @property
-    def mean_abs(self) -> torch.Tensor:
-        return (self.abs_sum / max(self.tokens, 1)).float()
-
-    @property
-    def hessian(self) -> torch.Tensor:
-        """H = X^T X / T: the mean output error per token is sum((D @ H) * D)."""
-        return self.gram / max(self.gram_tokens, 1)
 
 
 def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:

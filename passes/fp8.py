@@ -14,12 +14,13 @@
     weight_rounding = "gptq"            # error-compensating rounding on calibration inputs; or "nearest"
     kv_cache_dtype = "float8_e4m3fn"    # "none" keeps the KV cache in the model dtype
 
-Phases: (1) run the calibration windows through the model in its dtype, hooks recording for
-each candidate Linear the abs-max of every input token, a sample of input rows and (GPTQ) the
-Gram matrix XᵀX of its inputs, and for each attention layer the per-head K/V abs-max (with
-``input_shift`` or ``outlier_channels``, a pass before it records each input channel's mean and
-mean square: the abs-maxima and XᵀX are then of the inputs less that mean, and the outlier
-channels are those of largest mean square of what would be cast);
+Phases: (1) run the calibration windows through the model in its dtype, the shared collector
+(``compiler/pipeline/calibration.py``) recording for each candidate Linear what the options need
+of its inputs: the abs-max of every token (static), a sample of rows (the fallback's error), the
+Gram matrix XᵀX (GPTQ), and for each attention layer the per-head K/V abs-max. With
+``input_shift`` or ``outlier_channels`` a forward before it records each input channel's mean
+and mean square (the abs-maxima and XᵀX are then of the inputs less that mean, and the outlier
+channels are those of largest mean square of what would be cast), so that case takes two forwards;
 (2) quantize each candidate (GPTQ: each weight column in turn, its rounding error pushed onto
 the columns not yet rounded; weight scales stay the abs-max ones), measure its relative
 output error on the sampled rows and keep it in float if that exceeds ``max_layer_error`` (a
@@ -30,19 +31,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from typing import Literal
 
 import torch
 import torch.nn as nn
 
 from compiler.errors import ConfigError
-from compiler.formats.fp8 import Fp8Linear
-from compiler.formats.fp8_kv import KVObserver, install_kv_quant, kv_cache_entry
+from compiler.formats.fp8 import Fp8Format, Fp8Linear
+from compiler.formats.fp8_kv import install_kv_quant, kv_cache_entry
 from compiler.formats.qlinear import linear_modules
 from compiler.model.config import ModelConfig
 from compiler.model.transformer import Transformer
-from compiler.pipeline import Pass, PassContext, PassReport, register_pass
+from compiler.pipeline import (
+    LayerDecision,
+    Pass,
+    PassContext,
+    PassReport,
+    register_pass,
+)
+from compiler.pipeline.calibration import (
+    CalibrationStatistics,
+    InputRequest,
+    InputStatistics,
+)
+from compiler.pipeline.selection import meta_model, select_linears
 from compiler.progress import track
 from compiler.quant.fp8 import (
     FP8_DTYPES,
@@ -78,7 +90,8 @@ class Fp8Options:
     # of the tokens' abs-maxima (the rest saturate), trading rare outliers for finer steps.
     static_calibration: Literal["absmax", "percentile"] = "absmax"
     percentile: float = 99.9
-    # A pattern names a module by a glob over its full name or by dotted components ("lm_head", "layers.0").
+    # Globs over a module's full name or its dotted parts ("lm_head", "self_attn", "layers.0"):
+    # compiler/pipeline/selection.py.
     modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head", "embed_tokens"])
     max_layer_error: float | None = 0.1
     # "gptq": round each weight column in turn and push its error onto the columns not yet
@@ -114,15 +127,12 @@ class Fp8Options:
             raise ValueError("convert_linears = false with kv_cache_dtype = \"none\" converts nothing; "
                              "set a kv_cache_dtype or drop convert_linears")
 
-
-def matches(name: str, pattern: str) -> bool:
-    """Whether module ``name`` is named by ``pattern`` (a glob, or whole dotted components)."""
-    return fnmatchcase(name, pattern) or f".{pattern}." in f".{name}."
-
-
-def _meta_model(config: ModelConfig) -> Transformer:
-    with torch.device("meta"):
-        return Transformer(config)
+    def format_for(self, linear: nn.Module) -> Fp8Format:
+        """The format these options give ``linear`` (a float Linear, or its meta-device twin)."""
+        return Fp8Format.for_linear(linear, weight_dtype=self.weight_dtype, granularity=self.granularity,
+                                    activation_scheme=self.activation_scheme, activation_dtype=self.activation_dtype,
+                                    activation_group_size=self.activation_group_size, input_shift=self.input_shift,
+                                    outlier_channels=self.outlier_channels)
 
 
 @register_pass
@@ -133,37 +143,28 @@ class Fp8Pass(Pass):
     Options = Fp8Options
     provides = frozenset({"fp8_weights"})
 
-    def _candidates(self, model: nn.Module) -> list[str]:
+    def _select(self, model: nn.Module) -> tuple[list[str], dict[str, str]]:
+        """(the Linears to convert, {excluded Linear: the pattern naming it})."""
         if not self.options.convert_linears:
-            return []
-        return [n for n in linear_modules(model) if not any(matches(n, p) for p in self.options.modules_to_not_convert)]
-
-    def _format(self, in_features: int, out_features: int) -> dict:
-        o = self.options
-        with torch.device("meta"):  # only the entry is wanted: allocate no buffers
-            return Fp8Linear(in_features, out_features, False, torch.float32, o.weight_dtype, o.granularity,
-                             o.activation_dtype, o.activation_scheme, o.activation_group_size,
-                             o.input_shift, o.outlier_channels).format_meta()
+            return [], {}
+        return select_linears(model, self.options.modules_to_not_convert)
 
     def planned_formats(self, config: ModelConfig) -> dict[str, dict]:
-        model = _meta_model(config)
+        model = meta_model(config)
         linears = linear_modules(model)
-        return {n: self._format(linears[n].in_features, linears[n].out_features) for n in self._candidates(model)}
+        return {n: self.options.format_for(linears[n]).to_dict() for n in self._select(model)[0]}
 
     def check(self, config: ModelConfig) -> None:
-        model = _meta_model(config)
-        names = [n for n, _ in model.named_modules() if n]
-        for p in self.options.modules_to_not_convert:
-            if not any(matches(n, p) for n in names):
-                raise ConfigError(f"modules_to_not_convert pattern {p!r} matches no module (e.g. {names[-1]!r}); fix or remove it")
+        model = meta_model(config)
+        candidates = self._select(model)[0]
         outliers = self.options.outlier_channels
-        for name in self._candidates(model) if outliers else []:
+        for name in candidates if outliers else []:
             k = model.get_submodule(name).in_features
             if outliers >= k:
                 raise ConfigError(f"outlier_channels {outliers} is not below {name}'s {k} input features; "
                                   "use a small fraction of them (e.g. 32)")
         group = self.options.activation_group_size
-        for name in self._candidates(model) if group else []:
+        for name in candidates if group else []:
             k = model.get_submodule(name).in_features
             if k % group:
                 divisors = [g for g in range(16, k + 1, 16) if k % g == 0]
@@ -173,13 +174,12 @@ class Fp8Pass(Pass):
     def run(self, model: Transformer, context: PassContext) -> PassReport:
         o = self.options
         report = PassReport(self.name)
-        candidates = self._candidates(model)
-        excluded = [n for n in linear_modules(model) if n not in set(candidates)]
+        candidates, excluded = self._select(model)
         stats = self._calibrate(model, context, candidates)
-        for name in track(candidates, "fp8: quantizing layers"):
-            report.layers.append(self._convert(model, name, stats.get(name)))
-        kept = [r["module"] for r in report.layers if r["decision"] == "fallback"]
-        errors = [r["rel_error"] for r in report.layers if "rel_error" in r]
+        rows = [self._convert(model, name, stats.inputs.get(name)) for name in track(candidates, "fp8: quantizing layers")]
+        report.layers = [LayerDecision(n, "float", f"modules_to_not_convert {p!r}") for n, p in excluded.items()] + rows
+        kept = [r.module for r in rows if r.format == "float"]
+        errors = [r.metrics["rel_error"] for r in rows if "rel_error" in r.metrics]
         report.metrics = {"converted": len(candidates) - len(kept), "fallback": len(kept),
                           "weight_dtype": o.weight_dtype, "activations": o.activation_scheme}
         if o.outlier_channels:
@@ -189,123 +189,36 @@ class Fp8Pass(Pass):
         if kept:
             report.notes.append(f"{len(kept)} layer(s) stay in {model.embed_tokens.weight.dtype} because their "
                                 f"relative error exceeds max_layer_error={o.max_layer_error}: {', '.join(kept)}")
-        if excluded and o.convert_linears:
+        if excluded:
             report.notes.append(f"not converted (modules_to_not_convert): {', '.join(excluded)}")
         if o.kv_cache_dtype != "none":
-            entry = kv_cache_entry(o.kv_cache_dtype, o.kv_cache_granularity, stats["__kv__"])
+            entry = kv_cache_entry(o.kv_cache_dtype, o.kv_cache_granularity, stats.kv)
             install_kv_quant(model, entry)
             context.manifest_extras["kv_cache"] = entry
             report.metrics["kv_cache"] = f"{o.kv_cache_dtype} {o.kv_cache_granularity}"
         return report
 
-    def _needs_calibration(self, candidates: list[str]) -> bool:
+    def _request(self) -> InputRequest:
+        """What each converted Linear needs of its calibration inputs: the abs-maxima of every
+        token (static scales), a row sample (the fallback's error), XᵀX (GPTQ), all of the input
+        less its channel mean (``input_shift``), with the outlier channels left out of the maxima."""
         o = self.options
-        return o.kv_cache_dtype != "none" or bool(candidates) and (
-            o.activation_scheme == "static" or o.max_layer_error is not None or o.weight_rounding == "gptq"
-            or o.input_shift or o.outlier_channels > 0)
+        return InputRequest(token_amax=o.activation_scheme == "static",
+                            rows=o.error_tokens if o.max_layer_error is not None else 0,
+                            gram="all" if o.weight_rounding == "gptq" else "none",
+                            centre=o.input_shift, outlier_channels=o.outlier_channels)
 
-    @staticmethod
-    def _run_windows(model: Transformer, windows: torch.Tensor, label: str) -> None:
-        device = next(model.parameters()).device
-        batches = windows.split(4)
-        for batch in track(batches, label, total=len(batches)):
-            model(batch.to(device))
-
-    @torch.inference_mode()
-    def _input_moments(self, model: Transformer, windows: torch.Tensor,
-                       candidates: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """name -> each input channel's mean and mean square over the calibration tokens ([in] float64)."""
-        sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-        def hook(name):
-            def record(_module, args):
-                x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-                s1, s2 = sums.get(name, (0, 0))
-                sums[name] = (s1 + x.sum(0), s2 + x.square().sum(0))
-            return record
-
-        handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in candidates]
-        try:
-            self._run_windows(model, windows, "fp8: input statistics")
-        finally:
-            for h in handles:
-                h.remove()
-        return {n: (s1 / windows.numel(), s2 / windows.numel()) for n, (s1, s2) in sums.items()}
-
-    def _shifts_and_outliers(self, model: Transformer, windows: torch.Tensor, candidates: list[str]
-                             ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """name -> input_shift [in] float32 (with ``input_shift``), and name -> the indices of the
-        ``outlier_channels`` channels of largest mean square once shifted (variance with the shift)."""
+    def _calibrate(self, model: Transformer, context: PassContext, candidates: list[str]) -> CalibrationStatistics:
+        """The calibration statistics of every candidate (and, with an FP8 KV cache, each
+        layer's K/V abs-max), through the context's shared collector; none when nothing needs them."""
         o = self.options
-        if not candidates or not (o.input_shift or o.outlier_channels):
-            return {}, {}
-        moments = self._input_moments(model, windows, candidates)
-        shifts = {n: mean.float() for n, (mean, _) in moments.items()} if o.input_shift else {}
-        outliers = {}
-        for n, (mean, square) in moments.items() if o.outlier_channels else ():
-            cast_square = square - mean.square() if o.input_shift else square
-            outliers[n] = cast_square.topk(o.outlier_channels).indices.sort().values
-        return shifts, outliers
-
-    @torch.inference_mode()
-    def _calibrate(self, model: Transformer, context: PassContext, candidates: list[str]) -> dict:
-        """name -> {"token_amax": [N], "rows": [R, in], "hessian": [in, in] (gptq), "shift": [in]
-        (input_shift), "outliers": [r] (outlier_channels)} per candidate; "__kv__" -> observers. With
-        input_shift the abs-maxima and the Hessian are those of the shifted inputs, the rows (for
-        the fallback's error) the raw ones; the abs-maxima leave the outlier channels out."""
-        if not self._needs_calibration(candidates):
-            return {}
-        o = self.options
+        request = self._request()
+        requests = {n: request for n in candidates} if request != InputRequest() else {}
+        kv = o.kv_cache_dtype != "none"
+        if not requests and not kv:
+            return CalibrationStatistics({}, [])
         windows = context.calibration_windows(o.calibration_samples)
-        shifts, outliers = self._shifts_and_outliers(model, windows, candidates)
-        stride = max(1, windows.numel() // o.error_tokens)  # every stride-th token is kept for errors
-        stats = {n: {"token_amax": [], "rows": []} for n in candidates}
-        # GPTQ's Hessians: q/k/v (and gate/up) read one tensor, so they share one running XᵀX.
-        hessians: dict[str, torch.Tensor] = {}  # first reader's name -> sum of XᵀX
-        owner: dict[str, str] = {}  # candidate -> the first reader of its input
-        last = {"x": None, "name": None}
-
-        def hook(name):
-            def record(_module, args):
-                x = args[0].detach().reshape(-1, args[0].shape[-1])  # [B*T, in]
-                stats[name]["rows"].append(x[::stride].float().clone())
-                xf = x.float() - shifts[name] if shifts else x.float()
-                magnitude = xf.abs()  # a new tensor: the outlier channels can be zeroed in place
-                if outliers:
-                    magnitude.index_fill_(1, outliers[name], 0)
-                stats[name]["token_amax"].append(magnitude.amax(-1))
-                if o.weight_rounding == "gptq":
-                    if args[0] is not last["x"]:  # `is`, and holding it, so no id is ever reused
-                        last.update(x=args[0], name=name)
-                        hessians[name] = hessians.get(name, 0) + xf.T @ xf
-                    owner[name] = last["name"]
-            return record
-
-        handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in candidates]
-        observers = [KVObserver() for _ in model.layers] if o.kv_cache_dtype != "none" else []
-        saved = [layer.self_attn.kv_quant for layer in model.layers]
-        for layer, obs in zip(model.layers, observers):
-            layer.self_attn.kv_quant = obs
-        try:
-            self._run_windows(model, windows, "fp8: calibrating")
-        finally:
-            for h in handles:
-                h.remove()
-            for layer, prev in zip(model.layers, saved):
-                layer.self_attn.kv_quant = prev
-        last.clear()
-        out = {n: {"token_amax": torch.cat(s["token_amax"]), "rows": torch.cat(s["rows"])[: o.error_tokens]}
-               for n, s in stats.items()}
-        for h in hessians.values():  # H = XᵀX / T (every Linear sees every calibration token)
-            h.div_(windows.numel())
-        for n in owner:  # readers of one input share one tensor
-            out[n]["hessian"] = hessians[owner[n]]
-        for n, shift in shifts.items():
-            out[n]["shift"] = shift
-        for n, index in outliers.items():
-            out[n]["outliers"] = index
-        out["__kv__"] = observers
-        return out
+        return context.input_statistics(model, windows, requests, kv_heads=kv, label="fp8: calibrating")
 
     def _input_scale(self, token_amax: torch.Tensor) -> float:
         o = self.options
@@ -324,29 +237,30 @@ class Fp8Pass(Pass):
                             damp=o.gptq_damp, exact=outliers)
         return weight, scale[:, 0]
 
-    def _convert(self, model: Transformer, name: str, stats: dict | None) -> dict:
+    def _convert(self, model: Transformer, name: str, stats: InputStatistics | None) -> LayerDecision:
         """Quantize one Linear; keep it in float if its error on calibration rows is too high."""
         o = self.options
         linear = model.get_submodule(name)
-        input_scale = self._input_scale(stats["token_amax"]) if o.activation_scheme == "static" else None
-        outliers = (stats or {}).get("outliers")
+        fmt = o.format_for(linear)
+        input_scale = self._input_scale(stats.token_amax) if fmt.static else None
+        shift, outliers = (stats.shift, stats.outliers) if stats is not None else (None, None)
         weight = scale = None
         if o.weight_rounding == "gptq":
-            weight, scale = self._gptq_weight(linear, stats["hessian"], outliers)
-        q = Fp8Linear.from_linear(linear, o.weight_dtype, o.granularity, o.activation_dtype, o.activation_scheme,
-                                  input_scale, weight, scale, o.activation_group_size, (stats or {}).get("shift"),
-                                  outliers)
-        row = {"module": name, "decision": "fp8"}
+            weight, scale = self._gptq_weight(linear, stats.hessian, outliers)
+        q = Fp8Linear.from_linear(linear, fmt, input_scale, weight, scale, shift, outliers)
+        row = LayerDecision(name, "fp8", "requested")
         if input_scale is not None:
-            row["input_scale"] = input_scale
-        if stats is not None and o.max_layer_error is not None:
+            row.metrics["input_scale"] = input_scale
+        if o.max_layer_error is not None:
             with torch.inference_mode():
-                x = stats["rows"].to(linear.weight.dtype)
+                x = stats.rows.to(linear.weight.dtype)
                 ref = linear(x).float()
                 err = float((q(x).float() - ref).norm() / ref.norm().clamp(min=1e-30))
-            row["rel_error"] = err if math.isfinite(err) else float("inf")
-            if row["rel_error"] > o.max_layer_error:
-                row["decision"] = "fallback"
+            err = err if math.isfinite(err) else float("inf")
+            row.metrics["rel_error"] = err
+            if err > o.max_layer_error:
+                row.format, row.reason = "float", f"relative error {err:.4f} > max_layer_error {o.max_layer_error}"
                 return row
+            row.reason = f"relative error {err:.4f} <= max_layer_error {o.max_layer_error}"
         model.set_submodule(name, q)
         return row

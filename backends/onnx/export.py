@@ -50,7 +50,7 @@ def layer_exports(model: Transformer, dequantize: bool) -> dict[str, str]:
             how = f"MatMul on the dequantized {m.format_name} weight"
             # Formats that also quantize activations (fp8 dynamic/static) lose that step: the graph
             # is weight-only, so its outputs differ from the artifact's by the activation rounding.
-            if getattr(m, "activation_scheme", "none") != "none":
+            if m.quantizes_activations:
                 how += ", float activations (the artifact's activation quantization is not exported)"
             out[name] = how
     return out

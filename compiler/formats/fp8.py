@@ -2,7 +2,8 @@
 
 Primitives (choose a scale, quantize, dequantize, saturating casts) are in ``compiler/quant/fp8.py``.
 
-The ``fp8`` format (``Fp8Linear``), buffers stored in the artifact under the module's name:
+The ``fp8`` format: ``Fp8Linear``, built from an ``Fp8Format`` (a frozen dataclass whose
+``to_dict()`` is the module's manifest entry). Buffers, stored in the artifact under the module's name:
 
     weight        float8_e4m3fn | float8_e5m2  [out_features, in_features]
     weight_scale  float32  [out_features] (per_channel) or [1] (per_tensor);
@@ -35,7 +36,8 @@ small [M, r] × [r, out] matmul in the model dtype: ``y = fp8_gemm(x with those 
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import dataclass, fields
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn as nn
@@ -44,86 +46,194 @@ from compiler.errors import ArtifactError
 from compiler.formats.qlinear import QuantizedLinear, register_format
 from compiler.kernels.fp8_gemm import fp8_gemm
 from compiler.quant.fp8 import (
+    FP8_DTYPES,
     MIN_SCALE,
+    Fp8DtypeName,
     dequantize,
-    fp8_dtype,
     quantize,
     quantize_per_token,
     quantize_per_token_group,
     weight_scale,
 )
 
+GRANULARITIES = ("per_channel", "per_tensor")
+ACTIVATION_SCHEMES = ("dynamic", "static", "none")
+# Every manifest entry has written these; the others are left out at their default.
+_REQUIRED = ("in_features", "out_features", "weight_dtype", "granularity", "activation_scheme")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8Format:
+    """One ``fp8`` module's format: what ``Fp8Linear`` is built from and, as ``to_dict()``, its
+    manifest entry (``Fp8Format(in_features=576, out_features=1536).to_dict()`` ==
+    ``{"format": "fp8", "in_features": 576, "out_features": 1536, "weight_dtype": "float8_e4m3fn",
+    "granularity": "per_channel", "activation_scheme": "dynamic", "activation_dtype": "float8_e4m3fn"}``).
+    Validates itself (``ValueError``); ``from_dict`` reads an entry back (``ArtifactError``).
+    """
+
+    in_features: int
+    out_features: int
+    weight_dtype: Fp8DtypeName = "float8_e4m3fn"
+    granularity: Literal["per_channel", "per_tensor"] = "per_channel"
+    activation_scheme: Literal["dynamic", "static", "none"] = "dynamic"
+    activation_dtype: Fp8DtypeName = "float8_e4m3fn"  # unused (and not written) with activation_scheme "none"
+    activation_group_size: int = 0  # dynamic: one scale per token (0) or per token and this many channels
+    input_shift: bool = False  # an input_shift buffer is subtracted from every input
+    outlier_channels: int = 0  # this many input channels bypass FP8 (outlier_index, outlier_weight)
+
+    def __post_init__(self):
+        for name, kind in (("in_features", int), ("out_features", int), ("activation_group_size", int),
+                           ("outlier_channels", int), ("input_shift", bool)):
+            if type(getattr(self, name)) is not kind:
+                raise ValueError(f"{name} must be {kind.__name__}, got {getattr(self, name)!r}")
+        for name, allowed in (("weight_dtype", FP8_DTYPES), ("activation_dtype", FP8_DTYPES),
+                              ("granularity", GRANULARITIES), ("activation_scheme", ACTIVATION_SCHEMES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.in_features < 1 or self.out_features < 1:
+            raise ValueError(f"in_features and out_features must be >= 1, got {self.in_features}, {self.out_features}")
+        if not 0 <= self.outlier_channels < self.in_features:
+            raise ValueError(f"outlier_channels must be in [0, in_features) = [0, {self.in_features}), "
+                             f"got {self.outlier_channels}")
+        g = self.activation_group_size
+        if g < 0 or g and (not self.dynamic or self.in_features % g):
+            raise ValueError(f"activation_group_size {g} needs dynamic activations and must divide in_features "
+                             f"({self.in_features})")
+        if not self.quantizes_activations:  # meaningless without FP8 activations, and not written
+            object.__setattr__(self, "activation_dtype", "float8_e4m3fn")
+
+    @classmethod
+    def for_linear(cls, linear: nn.Linear, **behaviour) -> "Fp8Format":
+        """The format of ``linear``'s shape with ``behaviour`` (the other fields) set."""
+        return cls(in_features=linear.in_features, out_features=linear.out_features, **behaviour)
+
+    @property
+    def quantizes_activations(self) -> bool:
+        """FP8 activations (dynamic or static); False: weight-only."""
+        return self.activation_scheme != "none"
+
+    @property
+    def dynamic(self) -> bool:
+        """Activation scales computed per token at run time."""
+        return self.activation_scheme == "dynamic"
+
+    @property
+    def static(self) -> bool:
+        """One calibrated activation scale (the ``input_scale`` buffer)."""
+        return self.activation_scheme == "static"
+
+    @property
+    def weight_torch_dtype(self) -> torch.dtype:
+        return FP8_DTYPES[self.weight_dtype]
+
+    @property
+    def activation_torch_dtype(self) -> torch.dtype:
+        return FP8_DTYPES[self.activation_dtype]
+
+    @property
+    def weight_scales(self) -> int:
+        """How many weight scales: one per output row, or one."""
+        return self.out_features if self.granularity == "per_channel" else 1
+
+    def to_dict(self) -> dict:
+        """The manifest entry; fields at their default are left out where older artifacts lack them."""
+        d = {"format": Fp8Linear.format_name, "in_features": self.in_features, "out_features": self.out_features,
+             "weight_dtype": self.weight_dtype, "granularity": self.granularity,
+             "activation_scheme": self.activation_scheme}
+        if self.quantizes_activations:
+            d["activation_dtype"] = self.activation_dtype
+        if self.activation_group_size:
+            d["activation_group_size"] = self.activation_group_size
+        if self.input_shift:
+            d["input_shift"] = True
+        if self.outlier_channels:
+            d["outlier_channels"] = self.outlier_channels
+        return d
+
+    @classmethod
+    def from_dict(cls, meta: dict) -> "Fp8Format":
+        """The format of a manifest entry; ``ArtifactError`` (one line) when it is malformed."""
+        known = {f.name for f in fields(cls)} | {"format"}
+        unknown = sorted(set(meta) - known)
+        if meta.get("format") != Fp8Linear.format_name or unknown:
+            what = f"unknown keys {unknown}" if unknown else f"format {meta.get('format')!r}"
+            raise ArtifactError(f"fp8 module entry has {what}; the artifact is from a newer qcompile or corrupt")
+        missing = [k for k in _REQUIRED if k not in meta]
+        if missing:
+            raise ArtifactError(f"fp8 module entry lacks {', '.join(missing)}; the manifest is corrupt, recompile the artifact")
+        try:
+            return cls(**{k: v for k, v in meta.items() if k != "format"})
+        except (TypeError, ValueError) as e:
+            raise ArtifactError(f"fp8 module entry is invalid ({e}); the manifest is corrupt, recompile the artifact") from None
+
 
 @register_format
 class Fp8Linear(QuantizedLinear):
-    """A Linear with FP8 weights and (optionally) FP8 activations; see the module docstring."""
+    """A Linear with FP8 weights and (optionally) FP8 activations, built from an ``Fp8Format``;
+    see the module docstring for its buffers."""
 
     format_name: ClassVar[str] = "fp8"
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 weight_dtype: str = "float8_e4m3fn", granularity: str = "per_channel",
-                 activation_dtype: str = "float8_e4m3fn", activation_scheme: str = "dynamic",
-                 activation_group_size: int = 0, input_shift: bool = False, outlier_channels: int = 0):
+    def __init__(self, fmt: Fp8Format, bias: bool, dtype: torch.dtype):
         super().__init__()
-        if not 0 <= outlier_channels < in_features:
-            raise ValueError(f"outlier_channels must be in [0, in_features) = [0, {in_features}), got {outlier_channels}")
-        if activation_group_size and (activation_scheme != "dynamic" or in_features % activation_group_size):
-            raise ValueError(f"activation_group_size {activation_group_size} needs dynamic activations and must "
-                             f"divide in_features ({in_features})")
-        self.activation_group_size = activation_group_size
-        self.in_features, self.out_features = in_features, out_features
-        self.weight_dtype, self.granularity = weight_dtype, granularity
-        self.activation_dtype, self.activation_scheme = activation_dtype, activation_scheme
-        n_scales = out_features if granularity == "per_channel" else 1
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=fp8_dtype(weight_dtype)))
-        self.register_buffer("weight_scale", torch.empty(n_scales, dtype=torch.float32))
-        if activation_scheme == "static":
-            self.register_buffer("input_scale", torch.empty(1, dtype=torch.float32))
-        self.register_buffer("input_shift", torch.empty(in_features, dtype=torch.float32) if input_shift else None)
-        bias = bias or input_shift  # W·μ goes into the bias
-        self.register_buffer("bias", torch.empty(out_features, dtype=dtype) if bias else None)
-        self.register_buffer("outlier_index", torch.empty(outlier_channels, dtype=torch.int64) if outlier_channels else None)
-        self.register_buffer("outlier_weight", torch.empty(out_features, outlier_channels, dtype=dtype)
-                             if outlier_channels else None)
+        self.format = fmt
+        k, n, r = fmt.in_features, fmt.out_features, fmt.outlier_channels
+        self.in_features, self.out_features = k, n
+        self.register_buffer("weight", torch.empty(n, k, dtype=fmt.weight_torch_dtype))
+        self.register_buffer("weight_scale", torch.empty(fmt.weight_scales, dtype=torch.float32))
+        self.register_buffer("input_scale", torch.empty(1, dtype=torch.float32) if fmt.static else None)
+        self.register_buffer("input_shift", torch.empty(k, dtype=torch.float32) if fmt.input_shift else None)
+        bias = bias or fmt.input_shift  # W·μ goes into the bias
+        self.register_buffer("bias", torch.empty(n, dtype=dtype) if bias else None)
+        self.register_buffer("outlier_index", torch.empty(r, dtype=torch.int64) if r else None)
+        self.register_buffer("outlier_weight", torch.empty(n, r, dtype=dtype) if r else None)
+
+    @property
+    def quantizes_activations(self) -> bool:
+        return self.format.quantizes_activations
 
     def _apply(self, fn, recurse=True):
         # Module.to(dtype) casts every floating buffer, FP8 codes and float32 scales included; the
         # cast to a wider float is exact, so restoring the storage dtypes afterwards loses nothing.
         super()._apply(fn, recurse)
-        self.weight = self.weight.to(fp8_dtype(self.weight_dtype))
-        self.weight_scale = self.weight_scale.float()
-        if self.activation_scheme == "static":
-            self.input_scale = self.input_scale.float()
-        if self.input_shift is not None:
-            self.input_shift = self.input_shift.float()
+        self.weight = self.weight.to(self.format.weight_torch_dtype)
+        for name in ("weight_scale", "input_scale", "input_shift"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).float())
         return self
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, weight_dtype: str = "float8_e4m3fn", granularity: str = "per_channel",
-                    activation_dtype: str = "float8_e4m3fn", activation_scheme: str = "dynamic",
-                    input_scale: float | None = None, weight: torch.Tensor | None = None,
-                    scale: torch.Tensor | None = None, activation_group_size: int = 0,
+    def from_linear(cls, linear: nn.Linear, fmt: Fp8Format | None = None, input_scale: float | None = None,
+                    weight: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                     input_shift: torch.Tensor | None = None, outliers: torch.Tensor | None = None) -> "Fp8Linear":
-        """Quantize ``linear``'s weight; ``input_scale`` is required when activations are static.
+        """Quantize ``linear``'s weight into ``fmt`` (default: ``Fp8Format.for_linear(linear)``,
+        dynamic E4M3 per channel). ``input_scale`` is required when activations are static;
         ``weight`` and ``scale`` replace the layer's weight and its abs-max scale (GPTQ rounds a
-        compensated weight on the original weight's scales); ``input_shift`` [in_features] is
-        subtracted from every input, its product with the float weight added to the bias;
-        ``outliers`` (input channel indices) keep their columns of ``weight`` in the model dtype."""
-        w = (linear.weight if weight is None else weight).detach()
-        if activation_scheme == "static" and input_scale is None:
+        compensated weight on the original weight's scales); ``input_shift`` [in_features] (with
+        ``fmt.input_shift``) is subtracted from every input, its product with the float weight
+        added to the bias; ``outliers`` (``fmt.outlier_channels`` input channel indices) keep
+        their columns of ``weight`` in the model dtype."""
+        fmt = fmt or Fp8Format.for_linear(linear)
+        if (fmt.in_features, fmt.out_features) != (linear.in_features, linear.out_features):
+            raise ValueError(f"format is {fmt.in_features} -> {fmt.out_features}, the linear "
+                             f"{linear.in_features} -> {linear.out_features}")
+        if fmt.static and input_scale is None:
             raise ValueError("static activations need a calibrated input_scale")
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype,
-                weight_dtype, granularity, activation_dtype, activation_scheme, activation_group_size,
-                input_shift is not None, 0 if outliers is None else len(outliers)).to(w.device)
-        wdt = fp8_dtype(weight_dtype)
+        if fmt.input_shift != (input_shift is not None):
+            raise ValueError("pass input_shift exactly when the format has input_shift")
+        if fmt.outlier_channels != (0 if outliers is None else len(outliers)):
+            raise ValueError(f"the format keeps {fmt.outlier_channels} outlier channels; pass that many indices")
+        w = (linear.weight if weight is None else weight).detach()
+        m = cls(fmt, linear.bias is not None, w.dtype).to(w.device)
         if outliers is not None:
             m.outlier_index.copy_(outliers)
             m.outlier_weight.copy_(w[:, outliers])
             w = w.index_fill(1, m.outlier_index, 0)
-        scale = weight_scale(w, wdt, granularity) if scale is None else scale.float()
+        wdt = fmt.weight_torch_dtype
+        scale = weight_scale(w, wdt, fmt.granularity) if scale is None else scale.float()
         m.weight.copy_(quantize(w, scale[:, None], wdt))
         m.weight_scale.copy_(scale)
-        if activation_scheme == "static":
+        if fmt.static:
             m.input_scale.fill_(max(float(input_scale), MIN_SCALE))
         bias = None if linear.bias is None else linear.bias.detach().double()
         if input_shift is not None:
@@ -135,28 +245,15 @@ class Fp8Linear(QuantizedLinear):
         return m
 
     def format_meta(self) -> dict:
-        meta = {"format": self.format_name, "in_features": self.in_features, "out_features": self.out_features,
-                "weight_dtype": self.weight_dtype, "granularity": self.granularity,
-                "activation_scheme": self.activation_scheme}
-        if self.activation_scheme != "none":
-            meta["activation_dtype"] = self.activation_dtype
-        if self.activation_group_size:
-            meta["activation_group_size"] = self.activation_group_size
-        if self.input_shift is not None:
-            meta["input_shift"] = True
-        if self.outlier_index is not None:
-            meta["outlier_channels"] = len(self.outlier_index)
-        return meta
+        return self.format.to_dict()
 
     @classmethod
     def empty(cls, meta: dict, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> "Fp8Linear":
-        try:
-            return cls(in_features, out_features, bias, dtype, meta["weight_dtype"], meta["granularity"],
-                       meta.get("activation_dtype", "float8_e4m3fn"), meta["activation_scheme"],
-                       meta.get("activation_group_size", 0), meta.get("input_shift", False),
-                       meta.get("outlier_channels", 0))
-        except KeyError as e:
-            raise ArtifactError(f"fp8 module entry lacks {e}; the manifest is corrupt, recompile the artifact") from None
+        fmt = Fp8Format.from_dict(meta)
+        if (fmt.in_features, fmt.out_features) != (in_features, out_features):
+            raise ArtifactError(f"fp8 module entry is {fmt.in_features} -> {fmt.out_features}, the model's layer "
+                                f"{in_features} -> {out_features}; the manifest is corrupt, recompile the artifact")
+        return cls(fmt, bias, dtype)
 
     def dequantized_weight(self) -> torch.Tensor:
         w = dequantize(self.weight, self.weight_scale[:, None])
@@ -183,12 +280,12 @@ class Fp8Linear(QuantizedLinear):
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, K] (less ``input_shift``, in float32, outlier channels zeroed) -> FP8 codes [M, K]
         and scales [M] (dynamic), [M, K / G] (dynamic with groups of G channels) or [1] (static)."""
-        dtype = fp8_dtype(self.activation_dtype)
-        static = self.activation_scheme == "static"
+        fmt = self.format
+        dtype, static = fmt.activation_torch_dtype, fmt.static
         per_row = quantize_per_token
         if x.is_cuda:
             from compiler.kernels.fp8 import triton_quantize_rows as per_row
-            if not self.activation_group_size and self.outlier_index is None:
+            if not fmt.activation_group_size and self.outlier_index is None:
                 # one fused kernel (shift, scale, cast) instead of six torch ones
                 return per_row(x, dtype, self.input_scale if static else None, shift=self.input_shift)
         x = self._centred(x)
@@ -196,14 +293,14 @@ class Fp8Linear(QuantizedLinear):
             x = x.index_fill(1, self.outlier_index, 0)
         if static:
             return quantize(x, self.input_scale, dtype), self.input_scale
-        if self.activation_group_size:
-            return quantize_per_token_group(x, dtype, self.activation_group_size, per_row)
+        if fmt.activation_group_size:
+            return quantize_per_token_group(x, dtype, fmt.activation_group_size, per_row)
         return per_row(x, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # [M, K]
-        if self.activation_scheme == "none":
+        if not self.format.quantizes_activations:
             y = self._centred(x2).to(x.dtype) @ self.dequantized_weight().to(x.dtype).t()
             y = y + self.bias if self.bias is not None else y
         else:

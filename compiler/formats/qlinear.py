@@ -31,6 +31,11 @@ class QuantizedLinear(nn.Module):
         """A module with correctly shaped (uninitialised) buffers, for loading from an artifact."""
         raise NotImplementedError
 
+    @property
+    def quantizes_activations(self) -> bool:
+        """Whether ``forward`` also rounds its input (e.g. FP8 activations); False: weight-only."""
+        return False
+
     def dequantized_weight(self) -> torch.Tensor:
         """The weight as the float matrix [out_features, in_features] it stands for."""
         raise NotImplementedError

@@ -16,7 +16,10 @@ passes claiming one layer, formats the target cannot run) before any pass runs.
     name = "awq"
     group_size = 128
 
-Passes live in ``passes/`` and register themselves by name with ``@register_pass``.
+Passes live in ``passes/`` and register themselves by name with ``@register_pass``. What every
+pass shares: ``modules_to_not_convert`` means one thing (``selection.py``, checked here against
+the model before any pass runs), each report row is a ``LayerDecision``, and activation
+statistics come from one collector (``calibration.py``) through ``PassContext.input_statistics``.
 """
 from __future__ import annotations
 
@@ -38,20 +41,41 @@ from compiler.errors import (
 )
 from compiler.model.config import ModelConfig
 from compiler.options import parse_options, suggest
+from compiler.pipeline.calibration import (
+    CalibrationStatistics,
+    InputRequest,
+    StatisticsCache,
+    collect_model,
+)
+from compiler.pipeline.selection import check_patterns, meta_model
 
 # Properties that hold for a freshly loaded checkpoint.
 INITIAL_PROPERTIES = frozenset({"float_weights"})
 
 
 @dataclass
+class LayerDecision:
+    """One row of a pass report: what the pass did with one module, and why.
+
+    In the manifest: ``{"module": "layers.0.mlp.down_proj", "format": "int4", "reason": "requested",
+    "metrics": {"group_size": 128, "rel_error_awq": 0.031, ...}}``.
+    """
+
+    module: str  # the full module name
+    format: str  # what it is stored as now: a weight format ("int4", "fp8") or "float" (left as it was)
+    reason: str  # why: the plan, the modules_to_not_convert pattern, the error bound it failed
+    metrics: dict[str, Any] = field(default_factory=dict)  # the pass's per-layer figures
+
+
+@dataclass
 class PassReport:
-    """What a pass did: metrics, one row per layer decision, notes; stored in the manifest."""
+    """What a pass did: metrics, one ``LayerDecision`` per layer it decided on, notes; stored in the manifest."""
 
     name: str
     options: dict = field(default_factory=dict)
     wall_time_s: float = 0.0
     metrics: dict[str, Any] = field(default_factory=dict)
-    layers: list[dict[str, Any]] = field(default_factory=list)
+    layers: list[LayerDecision] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -67,6 +91,7 @@ class PassContext:
     target: str | None = None
     manifest_extras: dict[str, Any] = field(default_factory=dict)  # e.g. the serving plan
     history: list[str] = field(default_factory=list)  # names of passes already run
+    statistics: StatisticsCache = field(default_factory=StatisticsCache)
     _split: TokenSplit | None = None
 
     def token_split(self) -> TokenSplit:
@@ -82,6 +107,12 @@ class PassContext:
         c = self.calibration
         return calibration_windows(self.token_split().pool, samples or c.samples, seq_len or c.seq_len, c.seed)
 
+    def input_statistics(self, model: torch.nn.Module, windows: torch.Tensor, requests: dict[str, InputRequest],
+                         kv_heads: bool = False, label: str = "calibrating") -> CalibrationStatistics:
+        """``calibration.collect_model`` over ``windows``, shared with any pass that asks the same
+        of the model in the same state (one forward, not one per pass)."""
+        return collect_model(model, windows, requests, kv_heads, label=label, cache=self.statistics)
+
 
 @dataclass
 class NoOptions:
@@ -89,7 +120,11 @@ class NoOptions:
 
 
 class Pass:
-    """Base of every pass. Subclasses set the class attributes and implement ``run``."""
+    """Base of every pass. Subclasses set the class attributes and implement ``run``.
+
+    An option named ``modules_to_not_convert`` (a list of patterns) means what
+    ``compiler.pipeline.selection`` says; ``Pipeline.validate`` rejects a pattern naming no module.
+    """
 
     name: ClassVar[str]
     Options: ClassVar[type] = NoOptions
@@ -200,6 +235,8 @@ class Pipeline:
                 hint = f"; run {' or '.join(providers)} before it" if providers else ""
                 raise PipelineValidationError(f"{where}: requires {', '.join(sorted(missing))}, which no earlier pass provides{hint}")
             try:
+                if patterns := getattr(p.options, "modules_to_not_convert", None):
+                    check_patterns(patterns, meta_model(model_config))
                 p.check(model_config)
             except ConfigError as e:
                 raise PipelineValidationError(f"{where}: {e}") from None
@@ -233,4 +270,5 @@ class Pipeline:
             report.wall_time_s = round(time.perf_counter() - start, 3)
             reports.append(report)
             context.history.append(p.name)
+            context.statistics.prune(model)  # statistics of a model this pass changed are stale
         return reports

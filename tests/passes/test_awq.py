@@ -2,6 +2,7 @@
 max_layer_error retries and the artifact round trip."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from compiler.io.load import load_checkpoint
 from compiler.io.summary import artifact_summary
 from compiler.model.config import ModelConfig
 from compiler.pipeline import Pipeline, PipelineConfig
+from compiler.pipeline.calibration import TokenSampler
 from compiler.pipeline.compile import compile_model
 from compiler.quant.int4 import (
     choose_qparams,
@@ -74,7 +76,8 @@ def _capture_all(model, tokenizer, opts: AWQOptions):
         out = []
         for i, block in enumerate(model.layers):
             sample = (x[:2], cos[:2], sin[:2], positions[:2])
-            x, stats = p._capture(block, x, cos, sin, positions, torch.Generator().manual_seed(0))
+            x, stats = p._capture(block, x, cos, sin, positions, TokenSampler(opts.search_tokens, windows.numel(),
+                                                                                 torch.Generator().manual_seed(0)))
             out.append((f"layers.{i}.", stats, sample))
     return out
 
@@ -97,7 +100,7 @@ def test_scale_folding_leaves_float_model_unchanged(tiny_checkpoint_with_tokeniz
             worker.inspected = worker._inspect_modules(sample)
             assert set(worker.inspected) == {"self_attn", "mlp"}
             rows, _ = worker.search_and_fold(stats)
-            alphas += [r["alpha"] for r in rows.values()]
+            alphas += [r.metrics["alpha"] for r in rows.values()]
         # 2) large random scales on every group (incl. GQA v -> o), so folding is surely exercised
         gen = torch.Generator().manual_seed(5)
         for i in range(model.config.n_layers):
@@ -141,6 +144,20 @@ def test_group_size_policy_error_names_every_offending_layer():
         plan_layers(odd, AWQOptions(group_size=64))
 
 
+def test_modules_to_not_convert_reads_as_it_does_for_every_pass():
+    plans, excluded = plan_layers(SMOLLM2_LIKE, AWQOptions(modules_to_not_convert=["lm_head", "self_attn"]))
+    assert sorted(plans) == sorted(f"layers.{i}.mlp.{m}" for i in (0, 1) for m in ("gate_proj", "up_proj", "down_proj"))
+    assert excluded["layers.1.self_attn.o_proj"] == "self_attn" and excluded["lm_head"] == "lm_head"
+    plans, _ = plan_layers(SMOLLM2_LIKE, AWQOptions(modules_to_not_convert=["layers.*.mlp.down_proj", "layers.0"]))
+    assert sorted(plans) == sorted([f"layers.1.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                              "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")] + ["lm_head"])
+    with pytest.raises(PipelineValidationError, match=r"passes\[0\] \(awq\): modules_to_not_convert pattern "
+                       r"'mlp.down' matches no module \(did you mean 'mlp.down_proj'\? names look like "
+                       r"'layers.0.self_attn.q_proj'\); fix or remove it") as e:
+        Pipeline(pipeline_config(modules_to_not_convert=["lm_head", "mlp.down"])).validate(SMOLLM2_LIKE)
+    assert "\n" not in str(e.value)
+
+
 def test_pipeline_validation_uses_resolved_group_sizes():
     with pytest.raises(PipelineValidationError, match="layers.{0-1}.self_attn.q_proj"):
         Pipeline(pipeline_config(group_size=128, group_size_policy="error")).validate(SMOLLM2_LIKE)
@@ -172,10 +189,13 @@ def test_awq_artifact_reloads_with_same_logits(tiny_checkpoint_with_tokenizer, t
     path, _ = tiny_checkpoint_with_tokenizer("llama", **TINY)
     result = compile_model(path, pipeline_config(group_size=128, weight_rounding=rounding), tmp_path / "awq")
     report = result.reports[0]
-    layers = {r["layer"]: r for r in report.layers}
-    assert layers["lm_head"]["format"] == "float"
+    layers = {r.module: r for r in report.layers}
+    assert (layers["lm_head"].format, layers["lm_head"].reason) == ("float", "modules_to_not_convert 'lm_head'")
     q = layers["layers.0.self_attn.q_proj"]
-    assert {"group_size", "why", "alpha", "clip_ratio", "rel_error_rtn", "rel_error_awq"} <= set(q)
+    assert q.format == "int4" and q.reason == "requested"
+    assert {"group_size", "alpha", "clip_ratio", "rel_error_rtn", "rel_error_awq"} <= set(q.metrics)
+    rows = load_artifact(tmp_path / "awq").manifest["passes"][0]["layers"]  # serialised as they are
+    assert rows == [dataclasses.asdict(r) for r in report.layers]
     assert report.metrics["layers_int4"] == 14
     assert report.metrics["mean_rel_error_awq"] < report.metrics["mean_rel_error_rtn"]
     reloaded = load_artifact(tmp_path / "awq")
@@ -203,9 +223,9 @@ def test_max_layer_error_retries_smaller_groups_within_target(tiny_checkpoint_wi
                                tmp_path / "retry")
     finally:
         TARGETS.pop("test-no-g32")
-    rows = [r for r in result.reports[0].layers if "rel_error_awq" in r]
-    assert all(r["group_size"] == 64 for r in rows)  # 128 too lossy, 64 tried, 32 refused by the target
-    assert all("max_layer_error" in r["why"] and "no smaller group size left" in r["why"] for r in rows)
+    rows = [r for r in result.reports[0].layers if r.format == "int4"]
+    assert all(r.metrics["group_size"] == 64 for r in rows)  # 128 too lossy, 64 tried, 32 refused by the target
+    assert all("max_layer_error" in r.reason and "no smaller group size left" in r.reason for r in rows)
     manifest = load_artifact(tmp_path / "retry").manifest
     assert {m["group_size"] for m in manifest["modules"].values()} == {64}
 

@@ -140,14 +140,15 @@ def test_other_quantized_formats_export_dequantized(tmp_path):
 @pytest.mark.parametrize("shift", [False, True])
 @pytest.mark.parametrize("scheme", ["none", "dynamic"])
 def test_fp8_artifact_exports_dequantized(tmp_path, scheme, shift):
-    from compiler.formats.fp8 import Fp8Linear
+    from compiler.formats.fp8 import Fp8Format, Fp8Linear
     from compiler.formats.qlinear import linear_modules
 
     loaded = load_artifact(make_artifact(tmp_path, "llama"))
     for name, linear in linear_modules(loaded.model).items():
         if name != "lm_head":
             mean = torch.randn(linear.in_features, generator=torch.Generator().manual_seed(1)) if shift else None
-            loaded.model.set_submodule(name, Fp8Linear.from_linear(linear, activation_scheme=scheme, input_shift=mean))
+            loaded.model.set_submodule(name, Fp8Linear.from_linear(linear, Fp8Format.for_linear(
+                linear, activation_scheme=scheme, input_shift=shift), input_shift=mean))
     info = export_onnx(loaded, tmp_path / "onnx", OnnxExportOptions(max_len=MAX_LEN))
     assert all(how.startswith("MatMul on the dequantized fp8 weight") for how in info.layers.values())
     assert all(("activation quantization is not exported" in how) == (scheme != "none") for how in info.layers.values())

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from compiler.formats.fp8 import Fp8Linear
+from compiler.errors import ArtifactError
+from compiler.formats.fp8 import Fp8Format, Fp8Linear
 from compiler.kernels.fp8_gemm import FP8_KERNELS, dequant_gemm, fp8_gemm, select_kernel
 from compiler.quant.fp8 import (
     FP8_DTYPES,
@@ -18,6 +19,14 @@ from compiler.quant.fp8 import (
 )
 
 DTYPES = list(FP8_DTYPES.values())
+
+
+def fp8(lin: nn.Linear, input_scale=None, input_shift=None, outliers=None, **behaviour) -> Fp8Linear:
+    """``Fp8Linear.from_linear`` in the format ``behaviour`` names, with the shift and outlier
+    flags set by whether their tensors are given."""
+    fmt = Fp8Format.for_linear(lin, input_shift=input_shift is not None,
+                               outlier_channels=0 if outliers is None else len(outliers), **behaviour)
+    return Fp8Linear.from_linear(lin, fmt, input_scale, input_shift=input_shift, outliers=outliers)
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -102,8 +111,8 @@ def test_fp8_linear_close_to_float(scheme, granularity):
     torch.manual_seed(1)
     lin = nn.Linear(48, 32)
     x = torch.randn(3, 7, 48)
-    q = Fp8Linear.from_linear(lin, granularity=granularity, activation_scheme=scheme,
-                              input_scale=float(x.abs().max()) / 448 if scheme == "static" else None)
+    q = fp8(lin, granularity=granularity, activation_scheme=scheme,
+            input_scale=float(x.abs().max()) / 448 if scheme == "static" else None)
     assert q.weight.dtype == torch.float8_e4m3fn and q.weight.shape == (32, 48)
     y = q(x)
     assert y.shape == (3, 7, 32) and y.dtype == x.dtype
@@ -115,11 +124,11 @@ def test_fp8_linear_close_to_float(scheme, granularity):
 
 def test_fp8_linear_static_saturates_instead_of_nan():
     lin = nn.Linear(16, 8)
-    q = Fp8Linear.from_linear(lin, activation_scheme="static", input_scale=1.0 / 448)  # covers |x| <= 1
+    q = fp8(lin, activation_scheme="static", input_scale=1.0 / 448)  # covers |x| <= 1
     y = q(torch.full((2, 16), 1e6))
     assert torch.isfinite(y).all()
     with pytest.raises(ValueError, match="input_scale"):
-        Fp8Linear.from_linear(lin, activation_scheme="static")
+        fp8(lin, activation_scheme="static")
 
 
 def test_fp8_gemm_default_dispatch_matches_reference():
@@ -131,7 +140,7 @@ def test_fp8_gemm_default_dispatch_matches_reference():
 def test_fp8_linear_keeps_bfloat16_models_in_bfloat16(scheme):
     torch.manual_seed(2)
     lin = nn.Linear(32, 16).to(torch.bfloat16)
-    q = Fp8Linear.from_linear(lin, activation_scheme=scheme)
+    q = fp8(lin, activation_scheme=scheme)
     x = torch.randn(4, 32, dtype=torch.bfloat16)
     y = q(x)
     assert y.dtype == torch.bfloat16 and q.bias.dtype == torch.bfloat16
@@ -141,7 +150,7 @@ def test_fp8_linear_keeps_bfloat16_models_in_bfloat16(scheme):
 def test_module_to_dtype_keeps_fp8_codes_and_float32_scales():
     torch.manual_seed(3)
     lin = nn.Linear(32, 16)
-    q = Fp8Linear.from_linear(lin, activation_scheme="static", input_scale=0.01)
+    q = fp8(lin, activation_scheme="static", input_scale=0.01)
     codes = q.weight.clone()
     q.to(torch.bfloat16)
     assert q.weight.dtype == torch.float8_e4m3fn and torch.equal(q.weight.view(torch.uint8), codes.view(torch.uint8))
@@ -215,7 +224,7 @@ def test_group_scaled_activations_match_a_hand_dequantized_product(kernel, group
 def test_fp8_linear_with_activation_groups_round_trips_its_meta():
     torch.manual_seed(4)
     lin = nn.Linear(64, 24)
-    q = Fp8Linear.from_linear(lin, activation_group_size=32)
+    q = fp8(lin, activation_group_size=32)
     x = torch.randn(5, 64)
     assert rel_error(q(x), lin(x)) < 0.08
     meta = q.format_meta()
@@ -224,9 +233,9 @@ def test_fp8_linear_with_activation_groups_round_trips_its_meta():
     empty.load_state_dict(q.state_dict())
     assert torch.equal(empty(x), q(x))
     with pytest.raises(ValueError, match="must divide in_features"):
-        Fp8Linear.from_linear(lin, activation_group_size=48)
+        fp8(lin, activation_group_size=48)
     with pytest.raises(ValueError, match="needs dynamic activations"):
-        Fp8Linear.from_linear(lin, activation_scheme="static", input_scale=1.0, activation_group_size=32)
+        fp8(lin, activation_scheme="static", input_scale=1.0, activation_group_size=32)
 
 
 @pytest.mark.parametrize("scheme", ["dynamic", "none"])
@@ -239,8 +248,8 @@ def test_input_shift_spends_the_rounding_on_x_minus_mean(scheme):
     offset = torch.zeros(64)
     offset[:4] = torch.tensor([40.0, -25.0, 30.0, -60.0])
     x = torch.randn(50, 64) + offset
-    plain = Fp8Linear.from_linear(lin, activation_scheme=scheme)
-    shifted = Fp8Linear.from_linear(lin, activation_scheme=scheme, input_shift=x.mean(0))
+    plain = fp8(lin, activation_scheme=scheme)
+    shifted = fp8(lin, activation_scheme=scheme, input_shift=x.mean(0))
     ref = lin(x)
     assert rel_error(shifted(x), ref) < 0.5 * rel_error(plain(x), ref)
     if scheme == "none":  # no activation rounding: the float form agrees to float error
@@ -267,7 +276,7 @@ def test_outlier_channels_stay_out_of_the_cast(scheme):
     rest = torch.ones(64, dtype=torch.bool)
     rest[idx] = False
     scale = float((x - mean)[:, rest].abs().max()) / 448
-    q = Fp8Linear.from_linear(lin, activation_scheme=scheme, input_scale=scale, input_shift=mean, outliers=idx)
+    q = fp8(lin, activation_scheme=scheme, input_scale=scale, input_shift=mean, outliers=idx)
     assert torch.equal(q.outlier_weight, lin.weight[:, idx]) and q.weight[:, idx].float().eq(0).all()
     w_rest = q.dequantized_weight() * rest  # the FP8 columns
     centred = x - mean
@@ -280,8 +289,7 @@ def test_outlier_channels_stay_out_of_the_cast(scheme):
         cast = centred * rest
     by_hand = cast @ w_rest.t() + centred[:, idx] @ lin.weight[:, idx].t() + q.bias
     assert torch.allclose(q(x), by_hand, atol=1e-4)
-    plain = Fp8Linear.from_linear(lin, activation_scheme=scheme, input_scale=float(centred.abs().max()) / 448,
-                                  input_shift=mean)
+    plain = fp8(lin, activation_scheme=scheme, input_scale=float(centred.abs().max()) / 448, input_shift=mean)
     assert rel_error(q(x), lin(x)) < 0.5 * rel_error(plain(x), lin(x))
     if scheme == "none":  # no activation rounding: the float form agrees to float error
         assert torch.allclose(x @ q.dequantized_weight().t() + q.dequantized_bias(), q(x), atol=1e-3)
@@ -290,4 +298,63 @@ def test_outlier_channels_stay_out_of_the_cast(scheme):
     assert q.format_meta()["outlier_channels"] == 2 and torch.equal(clone(x), q(x))
     assert clone.to(torch.bfloat16).outlier_index.dtype == torch.int64
     with pytest.raises(ValueError, match="outlier_channels must be in"):
-        Fp8Linear(64, 32, False, torch.float32, outlier_channels=64)
+        Fp8Format(in_features=64, out_features=32, outlier_channels=64)
+
+
+# Every manifest entry the fp8 pass has written, as it wrote it: these must keep loading.
+RECORDED_ENTRIES = [
+    {"format": "fp8", "in_features": 576, "out_features": 1536, "weight_dtype": "float8_e4m3fn",
+     "granularity": "per_channel", "activation_scheme": "dynamic", "activation_dtype": "float8_e4m3fn",
+     "input_shift": True},
+    {"format": "fp8", "in_features": 64, "out_features": 96, "weight_dtype": "float8_e5m2", "granularity": "per_tensor",
+     "activation_scheme": "static", "activation_dtype": "float8_e5m2", "outlier_channels": 8},
+    {"format": "fp8", "in_features": 64, "out_features": 96, "weight_dtype": "float8_e4m3fn",
+     "granularity": "per_channel", "activation_scheme": "none"},
+    {"format": "fp8", "in_features": 64, "out_features": 96, "weight_dtype": "float8_e4m3fn",
+     "granularity": "per_channel", "activation_scheme": "dynamic", "activation_dtype": "float8_e4m3fn",
+     "activation_group_size": 32, "input_shift": True, "outlier_channels": 4},
+]
+
+
+@pytest.mark.parametrize("entry", RECORDED_ENTRIES)
+def test_format_is_its_manifest_entry(entry):
+    fmt = Fp8Format.from_dict(entry)
+    assert fmt.to_dict() == entry and list(fmt.to_dict()) == list(entry)  # same keys, same order
+    module = Fp8Linear.empty(entry, entry["in_features"], entry["out_features"], False, torch.float32)
+    assert module.format == fmt and module.format_meta() == entry
+    expected = {"weight", "weight_scale"} | ({"input_scale"} if entry["activation_scheme"] == "static" else set())
+    expected |= {"input_shift", "bias"} if entry.get("input_shift") else set()
+    expected |= {"outlier_index", "outlier_weight"} if entry.get("outlier_channels") else set()
+    assert set(module.state_dict()) == expected
+    with pytest.raises(Exception):
+        fmt.granularity = "per_tensor"  # frozen
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"activation_scheme": "per_token"}, "activation_scheme must be one of"),
+    ({"weight_dtype": "float8_e4m3"}, "weight_dtype must be one of"),
+    ({"in_features": "576"}, "in_features must be int"),
+    ({"outlier_channels": 576}, "outlier_channels must be in"),
+    ({"activation_group_size": 100}, "must divide in_features"),
+    ({"block_size": 128}, "unknown keys"),
+    ({"format": "int4"}, "format 'int4'"),
+])
+def test_malformed_entries_are_one_line_artifact_errors(change, message):
+    entry = {**RECORDED_ENTRIES[0], **change}
+    with pytest.raises(ArtifactError, match=message) as e:
+        Fp8Format.from_dict(entry)
+    assert "\n" not in str(e.value)
+    missing = dict(RECORDED_ENTRIES[0])
+    del missing["granularity"]
+    with pytest.raises(ArtifactError, match="granularity"):
+        Fp8Format.from_dict(missing)
+
+
+def test_from_linear_refuses_tensors_the_format_does_not_name():
+    lin = nn.Linear(32, 16)
+    with pytest.raises(ValueError, match="input_shift"):
+        Fp8Linear.from_linear(lin, Fp8Format.for_linear(lin), input_shift=torch.zeros(32))
+    with pytest.raises(ValueError, match="outlier channels"):
+        Fp8Linear.from_linear(lin, Fp8Format.for_linear(lin, outlier_channels=2))
+    with pytest.raises(ValueError, match="format is 64 -> 16"):
+        Fp8Linear.from_linear(lin, Fp8Format(in_features=64, out_features=16))
