@@ -131,6 +131,17 @@ def test_flags_are_the_options_fields_and_build_a_one_pass_pipeline(teacher_dir,
     assert entry["steps"] == 100 and "layer_map" not in entry  # dataclass defaults; layer_map: pipeline files only
 
 
+def test_resume_reaches_the_pass(teacher_dir, tmp_path):
+    """--resume continues from OUT/checkpoints (here: the finished run's last step, so no step reruns)."""
+    args = ["distill", "--teacher", teacher_dir, "--student", "keep_layers:1", "--steps", 2, *FAST, "-o", tmp_path / "o", "--json"]
+    first = qcompile(*args)
+    assert first.returncode == 0, first.stderr
+    again = qcompile(*args, "--resume")
+    assert again.returncode == 0, again.stderr
+    result = json.loads(again.stdout)
+    assert result["resumed_from"] == 2 and result["kl_after"] == json.loads(first.stdout)["kl_after"]
+
+
 def test_the_target_check_runs_before_training(teacher_dir, tmp_path):
     """--target checks the formats an artifact student already holds, as a pipeline's [target] does."""
     loaded = load_checkpoint(teacher_dir)
