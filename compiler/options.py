@@ -66,3 +66,19 @@ def parse_options(cls: type, table: dict | None, where: str):
 
 def options_to_dict(options) -> dict:
     return dataclasses.asdict(options)
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, default_factory: Any = dataclasses.MISSING,
+           flag: str | None = None, cli: bool = True) -> Any:
+    """A dataclass field with its help text, read by the command line that builds its flags from the
+    dataclass (``qcompile/cli/options.py``): ``--field-name`` unless ``flag`` names it otherwise;
+    ``cli=False`` keeps a field out of the command line (say why in ``help``)."""
+    metadata = {"help": help, "flag": flag, "cli": cli}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def split_list(text: str) -> list[str]:
+    """``"a, b,c"`` -> ``["a", "b", "c"]``: how every comma list (a flag, a spec) is read; empty items drop."""
+    return [item.strip() for item in text.split(",") if item.strip()]

@@ -3,6 +3,7 @@ from dataclasses import dataclass
 
 from compiler.deploy.lowering import register_lowering
 from compiler.deploy.targets import TargetSpec, register_target
+from compiler.options import option
 
 
 def _check(module: str, fmt: dict) -> str | None:
@@ -19,22 +20,21 @@ register_target(TargetSpec("ascend", "Huawei Ascend via ATC .om (fp16) + msModel
 
 @dataclass(frozen=True)
 class AscendLowerOptions:
-    soc: str | None = None  # the chip name 'npu-smi info' shows, e.g. Ascend910B3
-    buckets: list[int] | None = None  # prefill length gears; default: the standard ones up to max_len
-    atc: str | None = None  # path to atc; default: atc on PATH
-    precision_mode: str | None = None
-    precision_mode_v2: str | None = None
-    max_len: int | None = None
+    soc: str | None = option(None, "Chip name from 'npu-smi info', e.g. Ascend910B3 (required).")
+    buckets: list[int] | None = option(None, "Prefill length gears, e.g. 128,256,512; default: the standard ones "
+                                             "up to max_len.")
+    atc: str | None = option(None, "Path to atc; default: atc on PATH.")
+    precision_mode: str | None = option(None, "ATC --precision_mode (default force_fp16).")
+    precision_mode_v2: str | None = option(None, "ATC --precision_mode_v2, instead of --precision_mode.")
+    max_len: int | None = option(None, "KV-cache length of the graphs; default min(1024, the model's).")
 
 
-def _lower(artifact, out, options: dict, force: bool):
+def _lower(artifact, out, opts: AscendLowerOptions, force: bool):
     from backends.ascend.atc import DEFAULT_BUCKETS, AtcOptions
     from backends.ascend.lower import lower_ascend
     from compiler.deploy.lowering import load_for_target
     from compiler.errors import ConfigError
-    from compiler.options import parse_options
 
-    opts = parse_options(AscendLowerOptions, options, "--target ascend")
     if not opts.soc:
         raise ConfigError("--target ascend needs --soc (the chip name from 'npu-smi info', e.g. Ascend910B3)")
     loaded, max_len = load_for_target(artifact, "ascend", opts.max_len)
@@ -43,4 +43,4 @@ def _lower(artifact, out, options: dict, force: bool):
     return lower_ascend(loaded, out, atc_opts, max_len, opts.atc, force).bundle
 
 
-register_lowering("ascend", _lower)
+register_lowering("ascend", _lower, AscendLowerOptions)

@@ -3,6 +3,7 @@ from dataclasses import dataclass
 
 from compiler.deploy.lowering import register_lowering
 from compiler.deploy.targets import TargetSpec, register_target
+from compiler.options import option
 
 # MatMulNBits takes any power-of-two block size >= 16; our INT4 format uses 32..256.
 MATMULNBITS_BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -19,18 +20,16 @@ register_target(TargetSpec("onnx", "ONNX Runtime (INT4 as com.microsoft MatMulNB
 
 @dataclass(frozen=True)
 class OnnxLowerOptions:
-    max_len: int | None = None  # KV-cache length; default min(1024, the model's)
+    max_len: int | None = option(None, "KV-cache length of the graphs; default min(1024, the model's).")
 
 
-def _lower(artifact, out, options: dict, force: bool):
+def _lower(artifact, out, opts: OnnxLowerOptions, force: bool):
     from backends.onnx.export import OnnxExportOptions, default_dtype, export_onnx
     from compiler.deploy.lowering import load_for_target
-    from compiler.options import parse_options
 
-    opts = parse_options(OnnxLowerOptions, options, "--target onnx")
     loaded, max_len = load_for_target(artifact, "onnx", opts.max_len)
     export_onnx(loaded, out, OnnxExportOptions(max_len=max_len, dtype=default_dtype(loaded.model)), force)
     return out
 
 
-register_lowering("onnx", _lower)
+register_lowering("onnx", _lower, OnnxLowerOptions)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from backends.triton.lower import LowerOptions
 from compiler.deploy.lowering import register_lowering
 from compiler.deploy.targets import TargetSpec, register_target
-from compiler.options import parse_options
 from compiler.quant.int4 import GROUP_SIZES
 
 # Weight format -> allowed group sizes (None: the format has no groups).
@@ -30,12 +30,12 @@ def check_module(module: str, fmt: dict) -> str | None:
     return None
 
 
-def _lower(artifact: Path, out: Path, options: dict, force: bool) -> Path:
-    from backends.triton.lower import LowerOptions, lower_triton
+def _lower(artifact: Path, out: Path, opts: LowerOptions, force: bool) -> Path:
+    from backends.triton.lower import lower_triton
 
-    return lower_triton(artifact, out, parse_options(LowerOptions, options, "triton"), force)
+    return lower_triton(artifact, out, opts, force)
 
 
 register_target(TargetSpec("triton", "Triton Inference Server, Python backend running the qcompile engine (CPU or CUDA)",
                            check_module))
-register_lowering("triton", _lower)
+register_lowering("triton", _lower, LowerOptions)

@@ -22,6 +22,7 @@ from pathlib import Path
 from compiler.deploy.targets import check_formats
 from compiler.io.artifact import read_manifest
 from compiler.io.atomic import atomic_directory_write
+from compiler.options import option
 
 # The repository's model.py: the model itself lives in the serving layer (serving/triton_backend.py),
 # which this layer may not import; the server's Python imports it at load time. The Python-backend
@@ -63,10 +64,11 @@ CUDA_KERNELS = {"int4": "w4a16_int4_gemm", "fp8": "fp8_gemm"}
 
 @dataclass(frozen=True)
 class LowerOptions:
-    device: str = "cpu"  # cpu: KIND_CPU; cuda: KIND_GPU (H100); npu: KIND_MODEL (Ascend, torch_npu)
-    name: str | None = None  # model name in the repository; default: the artifact folder's name
-    instances: int = 1  # one engine per instance; the engine itself batches all requests
-    max_tokens_limit: int | None = None  # default: the model's context length
+    device: str = option("cpu", "Compute device the served model runs on: cpu, cuda (H100 kernels) or npu (Ascend, "
+                                "torch_npu); it sets the instance kind (KIND_CPU, KIND_GPU, KIND_MODEL).")
+    name: str | None = option(None, "Model name in the repository; default: the artifact folder's name.")
+    instances: int = option(1, "Model instances, one engine each (the engine itself batches all requests).")
+    max_tokens_limit: int | None = option(None, "Most tokens a request may ask for; default: the model's context length.")
 
     def __post_init__(self):
         if self.device not in DEVICES:

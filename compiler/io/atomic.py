@@ -1,6 +1,7 @@
-"""Atomic directory writes: build a directory beside its destination, fsync it, rename it into
-place, so an interrupted write never leaves a directory that looks complete. Every artifact,
-bundle and model repository qcompile writes goes through ``atomic_directory_write``.
+"""Atomic writes: build a directory beside its destination, fsync it, rename it into place, so an
+interrupted write never leaves a directory that looks complete. Every artifact, bundle and model
+repository qcompile writes goes through ``atomic_directory_write``; result files (JSON, CSV)
+through ``atomic_write_text``.
 """
 from __future__ import annotations
 
@@ -43,4 +44,18 @@ def atomic_directory_write(out: Path, write, force: bool = False) -> None:
             os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` beside ``path``, then rename it into place, so a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
         raise

@@ -3,7 +3,8 @@
 The pass trains the pipeline's model against a teacher: after an INT4 pass (RTN or AWQ) that is
 quantization-aware training (fake quantization + STE on float master weights, re-packed to the same
 INT4 format); with ``student = "keep_layers:..."`` the model first loses layers. ``qcompile distill``
-runs the same loop on a teacher/student pair of checkpoints.
+is a front end of this pass: it loads the student as the pipeline's model and runs a one-pass
+pipeline through the same validate/run/save path as ``qcompile compile``.
 """
 from __future__ import annotations
 
@@ -15,11 +16,18 @@ import torch
 from compiler.formats.qlinear import quantized_modules
 from compiler.pipeline import Pass, PassContext, PassReport, register_pass
 from passes.distill.api import run_distillation
+from passes.distill.checkpoint import list_checkpoints
 from passes.distill.config import DistillOptions
 from passes.distill.errors import DistillConfigError
 from passes.distill.students import drop_layers, parse_keep_layers
 
-__all__ = ["DistillPass", "DistillOptions", "run_distillation"]
+__all__ = ["DistillPass", "DistillOptions", "check_float_teacher", "run_distillation"]
+
+
+def check_float_teacher(model: torch.nn.Module, spec: str) -> None:
+    """A teacher must be the float model: a quantized one is an error naming ``spec``."""
+    if quantized_modules(model):
+        raise DistillConfigError(f"teacher {spec!r} holds quantized layers; give the float checkpoint as the teacher")
 
 
 def load_teacher(spec: str):
@@ -27,8 +35,7 @@ def load_teacher(spec: str):
     from compiler.io.load import load_checkpoint
 
     loaded = load_checkpoint(spec, "float32")
-    if quantized_modules(loaded.model):
-        raise DistillConfigError(f"teacher {spec!r} holds quantized layers; give the float checkpoint as the teacher")
+    check_float_teacher(loaded.model, spec)
     return loaded.model
 
 
@@ -55,6 +62,10 @@ class DistillPass(Pass):
         if s and self.options.block_epochs:
             raise DistillConfigError("block_epochs needs a student as deep as the teacher, and keep_layers drops "
                                      "layers; set block_epochs = 0 for this student")
+        out = self.options.output_dir
+        if out and list_checkpoints(Path(out) / "checkpoints") and not self.options.resume:
+            raise DistillConfigError(f"{out} already holds training checkpoints; set resume = true (--resume) to "
+                                     "continue, or choose another output_dir (-o)")
 
     def run(self, model: torch.nn.Module, context: PassContext) -> PassReport:
         o = self.options
@@ -68,7 +79,9 @@ class DistillPass(Pass):
             teacher = copy.deepcopy(model).eval()
         if o.student:
             drop_layers(model, parse_keep_layers(o.student, model.config.n_layers))
-        outcome = run_distillation(teacher, model, context.tokenizer, o, Path(o.output_dir) if o.output_dir else None)
-        notes = [f"student: {'QAT of %d INT4 layers' % outcome.qat_layers if outcome.qat_layers else 'float'}"
+        outcome = run_distillation(teacher, model, context.tokenizer, o, Path(o.output_dir) if o.output_dir else None,
+                                   o.resume)
+        notes = [f"teacher: {o.teacher or 'a frozen copy of the model entering the pass'}; "
+                 f"student: {'QAT of %d INT4 layers' % outcome.qat_layers if outcome.qat_layers else 'float'}"
                  f"{', layers ' + o.student.removeprefix('keep_layers:') if o.student else ''}"]
         return PassReport(self.name, metrics=outcome.metrics, notes=notes)

@@ -1,9 +1,11 @@
-"""``DistillOptions``: the options of the ``distill`` pass and of ``qcompile distill``, validated on creation."""
+"""``DistillOptions``: the options of the ``distill`` pass, validated on creation. ``qcompile distill``
+builds its flags from these fields (each ``option``'s help text is the flag's)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Literal
 
+from compiler.options import option
 from passes.distill.loss import LossWeights
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -26,53 +28,57 @@ class DistillOptions:
         seq_len = 256
     """
 
-    teacher: str = ""
-    student: str = ""
-    corpus: str = "pydoc"
-    # More training text: the pool (first 70%) of each of these corpora is added to the training
-    # sequences; their evaluation regions stay held out like the main corpus's.
-    train_corpora: list[str] = field(default_factory=list)
-    # Sequences the teacher writes (sampled from 16-token prompts cut out of the pool), added to the
-    # training sequences when the pool is too small (LLM-QAT's data); 0: the pool only.
-    generated_sequences: int = 0
-    steps: int = 100
-    seq_len: int = 256
-    batch_size: int = 4  # sequences per micro-batch over all ranks (each rank reads batch_size / world_size)
-    grad_accum: int = 1
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int | None = None  # default: steps // 20
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0  # 0 disables clipping (the norm is still logged)
-    alpha: float = 1.0
-    beta: float = 0.1
-    gamma: float = 0.0
-    temperature: float = 1.0
-    hidden_norm: Literal["rms", "none"] = "rms"  # MSE of per-token RMS-normalized hidden states ("none": raw)
-    layer_map: list[list[int]] | None = None  # [[student_layer, teacher_layer], ...]; default: proportional depth
-    learn_qparams: bool = False  # QAT: learn INT4 scales and zero points too (else frozen)
-    # What the end-to-end steps train: "all" (every parameter; INT4 weights through the STE) or
-    # "scales" (QAT: the INT4 codes fixed, only the scales; EfficientQAT's E2E-QP after Block-AP).
-    e2e_params: Literal["all", "scales"] = "all"
-    # Block-wise reconstruction first (passes/distill/blockwise.py): each block trained alone to
-    # match the teacher's block output, ``block_epochs`` passes over ``block_sequences`` training
-    # sequences at ``block_lr``; 0 epochs: off. Needs a student as deep and wide as the teacher.
-    block_epochs: int = 0
-    block_sequences: int = 32
-    block_lr: float = 1e-3
-    freeze_embeddings: bool = False
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on accelerators, fp32 on CPU
-    gradient_checkpointing: bool = False
-    fsdp: bool = False  # under torchrun: shard with FSDP instead of replicating with DDP
-    checkpoint_every: int = 50  # 0: only the final checkpoint
-    keep_checkpoints: int = 2
-    max_consecutive_skips: int = 10
-    seed: int = 0
-    eval_windows: int = 8
-    eval_len: int = 512
-    heldout: list[str] = field(default_factory=list)  # more corpora to report on (their evaluation regions)
-    output_dir: str = ""  # metrics.jsonl and checkpoints/ (the pass writes none when empty)
-    tensorboard: bool = False
+    teacher: str = option("", "Float teacher: HF directory, .gguf or built-in name (smollm2); empty: a frozen "
+                                "copy of the model entering the pass.")
+    student: str = option("", "Empty: train the pipeline's model (QAT when it holds Int4Linear); "
+                              "keep_layers:0,2,4 or keep_layers:every2: drop layers first.")
+    corpus: str = option("pydoc", "Training corpus (calib spec); its evaluation region is held out.")
+    train_corpora: list[str] = option(
+        help="More training text: the pool (first 70%) of each of these corpora is added; their evaluation "
+             "regions stay held out.", default_factory=list, flag="--train-corpus")
+    generated_sequences: int = option(0, "Also train on this many sequences the teacher writes from 16-token "
+                                         "pool prompts (LLM-QAT's data; 0: the pool only).")
+    steps: int = option(100, "Optimizer steps (0 with block_epochs: block-wise reconstruction only).")
+    seq_len: int = option(256, "Tokens per packed training sequence.")
+    batch_size: int = option(4, "Sequences per micro-batch over all ranks (each rank reads batch_size / world_size).")
+    grad_accum: int = option(1, "Micro-batches per optimizer step.")
+    lr: float = option(1e-4, "Peak learning rate (AdamW).")
+    min_lr_ratio: float = option(0.1, "The cosine schedule decays to lr * min_lr_ratio.")
+    warmup_steps: int | None = option(None, "Linear warm-up steps, then cosine (default: steps // 20).")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    max_grad_norm: float = option(1.0, "Gradient clipping norm (0: no clipping; the norm is still logged).")
+    alpha: float = option(1.0, "Weight of T²·KL(teacher‖student).")
+    beta: float = option(0.1, "Weight of the hidden-state MSE.")
+    gamma: float = option(0.0, "Weight of the next-token cross-entropy.")
+    temperature: float = option(1.0, "Softmax temperature of the KL term.")
+    hidden_norm: Literal["rms", "none"] = option("rms", "Compare hidden states after a per-token RMS "
+                                                        "normalization (rms), or raw (none).")
+    layer_map: list[list[int]] | None = option(None, "[[student_layer, teacher_layer], ...] for the hidden-state "
+                                                     "MSE (default: proportional depth); pipeline files only.",
+                                               cli=False)
+    learn_qparams: bool = option(False, "QAT: learn INT4 scales and zero points too (else frozen).")
+    e2e_params: Literal["all", "scales"] = option(
+        "all", "What the end-to-end steps train: all (every parameter; INT4 weights through the STE) or scales "
+               "(QAT: INT4 codes fixed, only the scales; EfficientQAT's E2E-QP).")
+    block_epochs: int = option(0, "QAT: block-wise reconstruction first (passes/distill/blockwise.py), this many "
+                                  "passes per block (0: off); needs a student as deep and wide as the teacher.")
+    block_sequences: int = option(32, "Training sequences the block-wise reconstruction reads.")
+    block_lr: float = option(1e-3, "Peak learning rate of the block-wise reconstruction.")
+    freeze_embeddings: bool = option(False, "Do not train embeddings / lm_head.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = option("auto", "auto: fp32 on CPU, bf16 on accelerators.")
+    gradient_checkpointing: bool = option(False, "Recompute layers in backward to save memory.")
+    fsdp: bool = option(False, "Under torchrun, shard the student with FSDP instead of replicating it with DDP.")
+    checkpoint_every: int = option(50, "Steps between training checkpoints (0: only the last).")
+    keep_checkpoints: int = option(2, "Training checkpoints to keep (the newest).")
+    max_consecutive_skips: int = option(10, "Steps in a row with a non-finite loss or gradient before training "
+                                            "stops with an error.")
+    seed: int = option(0, "Data order seed.")
+    eval_windows: int = option(8, "Held-out windows per corpus.")
+    eval_len: int = option(512, "Tokens per held-out window.")
+    heldout: list[str] = option(help="More corpora to report on (their evaluation regions).", default_factory=list)
+    output_dir: str = option("", "Folder for metrics.jsonl and checkpoints/ (none written when empty).")
+    resume: bool = option(False, "Continue from the newest training checkpoint under output_dir.")
+    tensorboard: bool = option(False, "Also log to output_dir/tensorboard.")
 
     def __post_init__(self):
         positive = ("seq_len", "batch_size", "grad_accum", "keep_checkpoints", "max_consecutive_skips",

@@ -2,9 +2,9 @@
 ``--debug`` shows the traceback instead."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import typer
 from rich.text import Text
@@ -12,6 +12,7 @@ from rich.text import Text
 from compiler.errors import QCompileError
 from qcompile import load_plugins
 from qcompile.cli.console import err, out
+from qcompile.cli.options import emit, json_option, output_json_option
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Quantize, distill and lower Llama-family LLMs to deployment targets.")
@@ -30,6 +31,7 @@ def compile_cmd(
     output: Path = typer.Option(..., "-o", "--output", help="Artifact directory to write."),
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Allow pytorch_model.bin (loaded with weights_only=True)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
+    as_json: bool = json_option(),
 ):
     """Compile MODEL through the pipeline in CONFIG into an artifact directory."""
     from compiler.pipeline import PipelineConfig
@@ -38,8 +40,13 @@ def compile_cmd(
 
     load_plugins()
     result = compile_model(model, PipelineConfig.from_toml(config), output, allow_pickle, force)
-    print_reports(out, [r.to_dict() for r in result.reports])
-    out.print(f"wrote [bold]{result.path}[/bold]")
+    reports = [r.to_dict() for r in result.reports]
+
+    def show():
+        print_reports(out, reports)
+        out.print(f"wrote [bold]{result.path}[/bold]")
+
+    emit({"artifact": str(result.path), "passes": reports}, as_json, None, show)
 
 
 @app.command("eval")
@@ -48,7 +55,8 @@ def eval_cmd(
     corpus: str = typer.Option("pydoc", help="pydoc, a .txt file, a folder of .txt, or FILE.jsonl[:field]."),
     windows: int = typer.Option(16, min=1, help="Number of 512-token evaluation windows."),
     split: str = typer.Option("evaluation", help="evaluation (reported figures) or validation (for choosing settings)."),
-    as_json: bool = typer.Option(False, "--json", help="Print {\"ppl\": ..., \"tokens\": ...}."),
+    as_json: bool = json_option(),
+    output_json: Optional[Path] = output_json_option(),
     allow_pickle: bool = typer.Option(False, "--allow-pickle"),
     dtype: str = typer.Option("float32", help="Compute dtype for checkpoints (artifacts keep their own)."),
 ):
@@ -58,27 +66,24 @@ def eval_cmd(
 
     loaded = load_checkpoint(path, dtype, allow_pickle)
     result = evaluate_perplexity(loaded, corpus, windows, split=split)
-    if as_json:
-        print(json.dumps({"ppl": result["ppl"], "tokens": result["tokens"], "split": split}))
-    else:
-        out.print(f"perplexity [bold]{result['ppl']:.4f}[/bold] over {result['tokens']} tokens "
-                  f"({corpus}, {split} region, {windows} windows)")
+    summary = {"ppl": result["ppl"], "tokens": result["tokens"], "corpus": corpus, "split": split, "windows": windows}
+    emit(summary, as_json, output_json, lambda: out.print(
+        f"perplexity [bold]{result['ppl']:.4f}[/bold] over {result['tokens']} tokens ({corpus}, {split} region, "
+        f"{windows} windows)"))
 
 
 @app.command("inspect")
 def inspect_cmd(
     artifact: Path = typer.Argument(..., help="Artifact directory."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    as_json: bool = json_option(),
+    output_json: Optional[Path] = output_json_option(),
 ):
     """Passes, weight formats, per-layer table and size on disk of an artifact."""
     from compiler.io.summary import artifact_summary
     from qcompile.cli.report import print_summary
 
     summary = artifact_summary(artifact)
-    if as_json:
-        print(json.dumps(summary, indent=1))
-    else:
-        print_summary(out, summary)
+    emit(summary, as_json, output_json, lambda: print_summary(out, summary))
 
 
 @app.command("example")

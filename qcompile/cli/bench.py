@@ -1,8 +1,6 @@
 """``qcompile bench TARGET`` (latency benchmark) and ``qcompile bench compare A.json B.json``."""
 from __future__ import annotations
 
-import asyncio
-import signal
 from pathlib import Path
 from typing import Optional
 
@@ -11,8 +9,8 @@ from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
-from qcompile.cli.console import out
-from serving.bench.errors import BenchError
+from qcompile.cli.console import err, out
+from qcompile.cli.options import emit, json_option, output_json_option, parse_list
 
 
 class _BenchGroup(TyperGroup):
@@ -30,60 +28,11 @@ app = typer.Typer(cls=_BenchGroup, no_args_is_help=True, add_completion=False,
                        "Run it as 'qcompile bench TARGET [OPTIONS]' (options: 'qcompile bench run --help').")
 
 
-def _numbers(text: str | None, cast, what: str) -> list:
-    if text is None:
-        return []
-    try:
-        values = [cast(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise BenchError(f"{what} {text!r} is not a number or a comma list of numbers") from None
-    if not values or any(v <= 0 for v in values):
-        raise BenchError(f"{what} {text!r}: values must be > 0")
-    return values
-
-
-def load_points(concurrency: str | None, request_rate: str | None, num_requests: int, duration: float | None,
-                warmup: int, seed: int):
-    """The sweep: closed loop per concurrency, or open loop per rate (concurrency then caps requests in flight)."""
-    from serving.bench.runner import LoadConfig
-
-    concurrencies = _numbers(concurrency, int, "--concurrency")
-    rates = _numbers(request_rate, float, "--request-rate")
-    common = dict(num_requests=None if duration else num_requests, duration_s=duration, warmup=warmup, seed=seed)
-    if not rates:
-        return [LoadConfig(concurrency=c, **common) for c in concurrencies or [1]]
-    if len(concurrencies) > 1:
-        raise BenchError("with --request-rate, --concurrency is one number (the cap on requests in flight), not a list")
-    cap = concurrencies[0] if concurrencies else None
-    return [LoadConfig(concurrency=cap, request_rate=r, **common) for r in rates]
-
-
-async def _run(adapter, requests, loads, repeat: int, slos: dict):
-    """Run the sweep with a progress bar; Ctrl-C sets ``stop`` so what finished is kept."""
-    from compiler.progress import make_progress
-    from serving.bench.suite import run_sweep
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGINT, stop.set)
-    try:
-        with make_progress() as progress:
-            def on_point(load, trial):
-                total = load.num_requests if load.num_requests else None
-                task = progress.add_task(f"{load.label()} (trial {trial + 1}/{repeat})", total=total)
-                return lambda record: progress.advance(task)
-
-            return await run_sweep(adapter, requests, loads, repeat, slos, stop, on_point)
-    finally:
-        loop.remove_signal_handler(signal.SIGINT)
-        await adapter.close()
-
-
 @app.command("run")
 def run_cmd(
     target: str = typer.Argument(..., help="Artifact dir, triton-grpc://HOST:PORT/MODEL, triton-http://HOST:PORT/MODEL, ONNX dir or Ascend bundle."),
-    concurrency: Optional[str] = typer.Option(None, help="Closed-loop concurrency, or a comma list to sweep (default 1)."),
-    request_rate: Optional[str] = typer.Option(None, help="Open loop: Poisson arrivals per second, or a comma list to sweep."),
+    concurrency: list[str] = typer.Option([], help="Closed-loop concurrency, or a comma list to sweep (default 1)."),
+    request_rate: list[str] = typer.Option([], help="Open loop: Poisson arrivals per second, or a comma list to sweep."),
     num_requests: int = typer.Option(64, min=1, help="Measured requests per trial."),
     duration: Optional[float] = typer.Option(None, min=0.1, help="Measure for this many seconds instead of a request count."),
     warmup: int = typer.Option(2, min=0, help="Unmeasured warm-up requests before each trial."),
@@ -95,82 +44,43 @@ def run_cmd(
     corpus: str = typer.Option("pydoc", help="Corpus the synthetic prompts are cut from."),
     tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory (needed for server targets)."),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="triton-http: --no-stream uses /generate (one response; TTFT = latency)."),
-    goodput: Optional[str] = typer.Option(None, help="SLOs in ms, e.g. time_to_first_token:200,request_latency:2000."),
+    goodput: list[str] = typer.Option([], help="SLOs in ms, a comma list: time_to_first_token:200,request_latency:2000."),
     seed: int = typer.Option(0, help="Seed of the workload and the arrivals."),
-    output_json: Optional[Path] = typer.Option(None, help="Write the result JSON here."),
+    as_json: bool = json_option(),
+    output_json: Optional[Path] = output_json_option(),
     output_csv: Optional[Path] = typer.Option(None, help="Write one CSV row per load point here."),
     output_md: Optional[Path] = typer.Option(None, help="Write a markdown summary here."),
     plots: Optional[Path] = typer.Option(None, help="Write PNG plots into this directory."),
 ):
     """Benchmark TARGET (also spelled 'qcompile bench TARGET'): closed loop at --concurrency or open loop at --request-rate."""
+    from serving.bench.benchmark import load_points, run_benchmark
     from serving.bench.metrics import parse_slos
+    from serving.bench.output import json_safe
     from serving.bench.workload import LengthDist, WorkloadConfig
 
     workload = WorkloadConfig(LengthDist.parse(prompt_len, "--prompt-len"), LengthDist.parse(output_len, "--output-len"),
                               corpus, prompts, shared_prefix, seed)
-    loads = load_points(concurrency, request_rate, num_requests, duration, warmup, seed)
-    result = run_benchmark(target, workload, loads, repeat, parse_slos(goodput), tokenizer, stream)
-    _write_outputs(result, output_json, output_csv, output_md, plots)
-
-
-def run_benchmark(target: str, workload, loads, repeat: int = 1, slos: dict | None = None, tokenizer: Path | None = None,
-                  stream: bool = True) -> dict:
-    """Resolve TARGET, build the workload, run the sweep; the result document (raises if nothing succeeded)."""
-    from serving.bench.environment import environment
-    from serving.bench.suite import make_result
-    from serving.bench.targets import (
-        artifact_dir,
-        check_stream,
-        open_adapter,
-        parse_target,
-        target_tokenizer,
-    )
-    from serving.bench.workload import build_requests
-
-    slos = slos or {}
-    parsed = parse_target(target)
-    check_stream(parsed, stream)
-    count = max([load.num_requests or 0 for load in loads] + [64])
-    requests = build_requests(workload, target_tokenizer(parsed, tokenizer), count)
-    adapter = open_adapter(parsed, stream)
-    runs, interrupted = asyncio.run(_run(adapter, requests, loads, repeat, slos))
-    if not runs:
-        raise BenchError("no request finished; nothing was measured")
-    result = make_result(target, getattr(adapter, "name", type(adapter).__name__), environment(artifact_dir(parsed)),
-                         {**workload.describe(), "repeat": repeat, "stream": stream}, slos, runs, interrupted)
-    _check_failures(result)
-    return result
-
-
-def _check_failures(result: dict) -> None:
-    """Every request failed: that is an error (with the target's message), not a result."""
-    for run in result["runs"]:
-        counts = run["metrics"]["counts"]
-        if counts["successful"] == 0:
-            first = next((q["error"] for q in run["requests"] if q["error"]), "no tokens")
-            raise BenchError(f"every request at {run['label']} failed; first error: {first}")
-
-
-def _write_outputs(result: dict, output_json, output_csv, output_md, plots) -> None:
-    from serving.bench.output import (
-        csv_text,
-        markdown_summary,
-        write_json,
-        write_plots,
-        write_text_atomic,
-    )
-
-    print_result(result)
+    loads = load_points(parse_list(concurrency, int, "--concurrency"), parse_list(request_rate, float, "--request-rate"),
+                        num_requests, duration, warmup, seed)
+    result = run_benchmark(target, workload, loads, repeat, parse_slos(",".join(goodput)), tokenizer, stream)
+    notes = err if as_json else out
+    emit(json_safe(result), as_json, output_json, lambda: print_result(result))
     if result["interrupted"]:
-        out.print("[yellow]interrupted[/yellow]: the results hold the requests that finished before Ctrl-C")
-    for path, write in ((output_json, lambda p: write_json(result, p)), (output_csv, lambda p: write_text_atomic(p, csv_text(result))),
-                        (output_md, lambda p: write_text_atomic(p, markdown_summary(result)))):
+        notes.print("[yellow]interrupted[/yellow]: the results hold the requests that finished before Ctrl-C")
+    _write_reports(result, output_csv, output_md, plots, notes)
+
+
+def _write_reports(result: dict, output_csv, output_md, plots, console: Console) -> None:
+    from compiler.io.atomic import atomic_write_text
+    from serving.bench.output import csv_text, markdown_summary, write_plots
+
+    for path, text in ((output_csv, csv_text), (output_md, markdown_summary)):
         if path is not None:
-            write(path)
-            out.print(f"wrote {path}")
+            atomic_write_text(path, text(result))
+            console.print(f"wrote {path}")
     if plots is not None:
         for path in write_plots(result, plots):
-            out.print(f"wrote {path}")
+            console.print(f"wrote {path}")
 
 
 def print_result(result: dict, console: Console = out) -> None:
@@ -194,12 +104,12 @@ def print_result(result: dict, console: Console = out) -> None:
 
 def bench_stage(console: Console, artifact: str) -> dict:
     """The main job's latency stage: an artifact on the in-process engine at concurrency 1 and 4 (kept small)."""
-    from serving.bench.runner import LoadConfig
+    from serving.bench.benchmark import load_points, run_benchmark
     from serving.bench.workload import LengthDist, WorkloadConfig
 
     console.print("latency ([bold]qcompile bench[/bold], in-process engine, 32-token prompts, 8 output tokens) …")
     workload = WorkloadConfig(LengthDist("fixed", 32), LengthDist("fixed", 8))
-    result = run_benchmark(artifact, workload, [LoadConfig(concurrency=c, num_requests=4, warmup=1) for c in (1, 4)])
+    result = run_benchmark(artifact, workload, load_points([1, 4], num_requests=4, warmup=1))
     print_result(result, console)
     return result
 

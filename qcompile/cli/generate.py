@@ -8,6 +8,8 @@ from typing import Optional
 
 import typer
 
+from qcompile.cli.options import check_device, device_option
+
 
 def generate_cmd(
     artifact: Path = typer.Argument(..., help="Artifact directory (compiled with or without the paged_kv pass)."),
@@ -17,15 +19,16 @@ def generate_cmd(
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0: all)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),
     seed: Optional[int] = typer.Option(None, help="Seed for reproducible sampling."),
-    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string; repeat the flag for more (not a comma list: a stop string may hold a comma)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep going past the end-of-sequence token."),
-    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
+    device: Optional[str] = device_option(None, " (default: cuda when available, else cpu)"),
 ):
     """Generate a completion of PROMPT with ARTIFACT, streamed as it is produced."""
     from qcompile.cli.console import err
     from qcompile.cli.console import out as console
     from serving.engine import Engine
-    engine = Engine.from_artifact(artifact, device)
+
+    engine = Engine.from_artifact(artifact, check_device(device))
 
     async def run() -> tuple[int, str, float | None]:
         n, reason, first = 0, "", None

@@ -1,58 +1,79 @@
 """``qcompile lower ARTIFACT --target T -o DIR``: one command for every target.
 
-Each backend registers its lowering with ``compiler.deploy.lowering.register_lowering`` and parses the
-options it understands into its own dataclass, so a flag that a target does not take (``--soc``
-for onnx, say) is an error naming that target, not silently ignored.
+Each backend registers its lowering with ``compiler.deploy.lowering.register_lowering`` together
+with the dataclass of its options; this command's target flags are the union of those fields
+(``--max-len``, ``--soc``, ``--device`` …, each help naming the targets that take it), so a new
+backend adds its flags without touching this file. A flag that the chosen target does not take is
+an error naming the target and the flags it does take, never silently ignored.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.table import Table
 
 from backends.onnx.bundle import BUNDLE_FILE, OnnxBundleInfo
+from compiler.deploy.lowering import LOWERINGS, get_lowering, lower
 from compiler.errors import ConfigError
+from qcompile import load_plugins
+from qcompile.cli.options import Flag, add_flags, dataclass_flags
+
+load_plugins()  # the backends register their lowerings, whose options become this command's flags
 
 
-def parse_buckets(text: str | None) -> list[int] | None:
-    if not text:
-        return None
-    try:
-        return [int(x) for x in text.replace(";", ",").split(",")]
-    except ValueError:
-        raise ConfigError(f"--buckets {text!r}: give sequence lengths like 128,256,512") from None
+def target_flags() -> list[Flag]:
+    """One flag per option name over every registered target; its help says which targets take it.
+    Each flag defaults to unset, so only what is given reaches the target's dataclass."""
+    merged: dict[str, Flag] = {}
+    helps: dict[str, dict[str, list[str]]] = {}
+    for target in sorted(LOWERINGS):
+        options = LOWERINGS[target].Options
+        defaults = {f.name: f.default for f in dataclasses.fields(options)}
+        for flag in dataclass_flags(options):
+            known = merged.setdefault(flag.name, flag)
+            if (known.hint, known.decl) != (flag.hint, flag.decl):
+                raise TypeError(f"lowering option {flag.name!r}: {target} declares {flag.hint} {flag.decl}, "
+                                f"another target {known.hint} {known.decl}; give it one type and flag, or rename it")
+            default = defaults[flag.name]
+            text = flag.help + ("" if default in (None, dataclasses.MISSING) else f" (default {default})")
+            helps.setdefault(flag.name, {}).setdefault(text, []).append(target)
+    return [dataclasses.replace(f, default=None, help="; ".join(f"{', '.join(t)}: {h}" for h, t in helps[f.name].items()))
+            for f in merged.values()]
 
 
+FLAGS = target_flags()
+
+
+@add_flags(FLAGS)
 def lower_cmd(
     artifact: Path = typer.Argument(..., help="Artifact directory (from 'qcompile compile')."),
-    target: str = typer.Option(..., "--target", "-t", help="Deployment target: onnx, ascend or triton."),
+    target: str = typer.Option(..., "--target", "-t", help=f"Deployment target: {', '.join(sorted(LOWERINGS))}."),
     output: Path = typer.Option(..., "-o", "--output", help="Folder to write (bundle, or Triton model repository)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output folder."),
-    max_len: Optional[int] = typer.Option(None, "--max-len", min=1, help="onnx/ascend: KV-cache length; default min(1024, the model's)."),
-    soc: Optional[str] = typer.Option(None, "--soc", help="ascend: chip name from 'npu-smi info', e.g. Ascend910B3."),
-    buckets: Optional[str] = typer.Option(None, "--buckets", help="ascend: prefill length gears, e.g. 128,256,512."),
-    atc: Optional[str] = typer.Option(None, "--atc", help="ascend: path to atc (default: atc on PATH)."),
-    precision_mode: Optional[str] = typer.Option(None, "--precision-mode", help="ascend: ATC --precision_mode (default force_fp16)."),
-    precision_mode_v2: Optional[str] = typer.Option(None, "--precision-mode-v2", help="ascend: ATC --precision_mode_v2 instead."),
-    device: Optional[str] = typer.Option(None, help="triton: cpu (KIND_CPU), cuda (KIND_GPU, H100 kernels) or npu (Ascend)."),
-    name: Optional[str] = typer.Option(None, help="triton: model name in the repository (default: the artifact's folder name)."),
-    instances: Optional[int] = typer.Option(None, help="triton: model instances (each holds one engine)."),
+    *,
+    options: dict,
 ):
     """Lower ARTIFACT to a deployable bundle for TARGET."""
-    from compiler.deploy.lowering import lower
-    from qcompile import load_plugins
     from qcompile.cli.console import out
 
-    load_plugins()
-    flags = {"max_len": max_len, "soc": soc, "buckets": parse_buckets(buckets), "atc": atc, "precision_mode": precision_mode,
-             "precision_mode_v2": precision_mode_v2, "device": device, "name": name, "instances": instances}
-    path = lower(artifact, target, output, {k: v for k, v in flags.items() if v is not None}, force)
+    check_target_flags(target, options)
+    path = lower(artifact, target, output, options, force)
     if (Path(path) / BUNDLE_FILE).exists():
         _print_bundle(out, OnnxBundleInfo.read(path))
     out.print(f"wrote [bold]{path}[/bold] (target {target})")
+
+
+def check_target_flags(target: str, given: dict) -> None:
+    """A one-line error for flags ``target`` does not take, naming the ones it does."""
+    takes = get_lowering(target).option_names()
+    decl = {f.name: f.decl for f in FLAGS}
+    foreign = [decl[name] for name in given if name not in takes]
+    if foreign:
+        valid = ", ".join(decl[name] for name in takes if name in decl) or "none"
+        raise ConfigError(f"--target {target} does not take {', '.join(foreign)}; its options: {valid}")
 
 
 def _print_bundle(console, info) -> None:

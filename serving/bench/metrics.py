@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 
+from compiler.options import split_list
 from serving.bench.errors import BenchError
 from serving.bench.runner import RequestRecord, TrialResult
 
@@ -68,9 +69,7 @@ def parse_slos(spec: str | None) -> dict[str, float]:
     if not spec:
         return {}
     slos = {}
-    for item in spec.replace(" ", ",").split(","):
-        if not item:
-            continue
+    for item in split_list(spec):
         name, _, value = item.partition(":")
         name = SLO_ALIASES.get(name, name)
         try:

@@ -5,8 +5,6 @@ import csv
 import io
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -19,32 +17,15 @@ STATS = ("mean", "std", "p50", "p90", "p95", "p99")
 RATE_METRICS = ("output_token_throughput", "request_throughput", "goodput")
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write beside ``path`` then rename, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _finite(value):
+def json_safe(value):
     """JSON has no NaN: empty statistics are written as null."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_finite(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
-
-
-def write_json(result: dict, path: Path) -> None:
-    write_text_atomic(path, json.dumps(_finite(result), indent=1) + "\n")
 
 
 def read_result(path: Path) -> dict:

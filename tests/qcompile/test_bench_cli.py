@@ -110,6 +110,19 @@ def test_bench_cli_writes_json_csv_markdown_plots(fake_target, tmp_path, monkeyp
         assert (out / "plots" / name).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_json_prints_the_result_document_on_stdout(fake_target, tmp_path, monkeypatch, capsys):
+    """--json: the result on stdout instead of the table; files and notes still written, notes on stderr."""
+    target, _ = fake_target
+    code, stdout, stderr = _cli(monkeypatch, capsys, "bench", str(target), "--concurrency", "1", "--concurrency", "2",
+                                "--num-requests", "3", "--prompt-len", "8", "--output-len", "3", "--warmup", "0",
+                                "--json", "--output-json", str(tmp_path / "r.json"), "--output-csv", str(tmp_path / "r.csv"))
+    assert code == 0, stderr
+    result = json.loads(stdout)
+    assert result["schema"] == "qcompile.bench" and [r["load"]["concurrency"] for r in result["runs"]] == [1, 2]
+    assert result == json.loads((tmp_path / "r.json").read_text())
+    assert f"wrote {tmp_path / 'r.csv'}" in stderr and (tmp_path / "r.csv").exists()
+
+
 def test_bench_compare_flags_regression_and_exit_code(fake_target, tmp_path, monkeypatch, capsys):
     target, _ = fake_target
     base = ["bench", str(target), "--num-requests", "4", "--prompt-len", "8", "--output-len", "4", "--warmup", "0"]

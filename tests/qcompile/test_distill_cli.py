@@ -34,7 +34,8 @@ def teacher_dir(tiny_checkpoint_with_tokenizer):
 def test_qat_from_an_int4_artifact_recovers_and_stays_int4(teacher_dir, tmp_path):
     loaded = load_checkpoint(teacher_dir)
     int4 = tmp_path / "int4"
-    save_artifact(int4, int4_copy(loaded.model), loaded.tokenizer, loaded.source, {"passes": [{"name": "rtn-test"}]}, [])
+    save_artifact(int4, int4_copy(loaded.model), loaded.tokenizer, loaded.source, {"passes": [{"name": "rtn-test"}]},
+                  [{"name": "rtn-test", "metrics": {}, "notes": []}])
     extra = tmp_path / "extra.txt"
     extra.write_text("More training text. " * 100)
     r = qcompile("distill", "--teacher", teacher_dir, "--student", int4, "--steps", 12, "--lr", "1e-3", *FAST,
@@ -52,9 +53,15 @@ def test_qat_from_an_int4_artifact_recovers_and_stays_int4(teacher_dir, tmp_path
     student = load_artifact(tmp_path / "out" / "student")
     assert sum(isinstance(m, Int4Linear) for m in student.model.modules()) == 14
     assert student.manifest["modules"]["layers.0.mlp.up_proj"]["format"] == "int4"
-    assert [p["name"] for p in student.manifest["passes"]] == ["distill"]
+    # the student artifact's passes come first, in the recipe and in the reports
+    assert [p["name"] for p in student.manifest["passes"]] == ["rtn-test", "distill"]
+    assert [p["name"] for p in student.manifest["pipeline"]["passes"]] == ["rtn-test", "distill"]
+    assert student.manifest["passes"][1]["metrics"]["kl_after"] == result["kl_after"]
+    assert json.loads((tmp_path / "out" / "result.json").read_text()) == result
     lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 12 and {"loss", "kl", "mse", "ce", "lr", "grad_norm", "tokens_per_s"} <= set(json.loads(lines[0]))
+    r = qcompile("distill", "--teacher", teacher_dir, "--student", int4, "--steps", 12, *FAST, "-o", tmp_path / "out", "--force")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "already holds training checkpoints" in r.stderr
 
 
 def test_scales_only_end_to_end_keeps_the_int4_codes(teacher_dir, tmp_path):
@@ -102,6 +109,48 @@ def test_cli_errors_are_one_line(teacher_dir, tmp_path):
     r = qcompile("distill", "--teacher", teacher_dir, "--student", "keep_layers:0", "--batch-size", 3, "--steps", 1,
                  "-o", tmp_path / "y", launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"))
     assert r.returncode != 0 and "not a multiple of the 2 ranks" in r.stderr
+
+
+def test_flags_are_the_options_fields_and_build_a_one_pass_pipeline(teacher_dir, tmp_path, monkeypatch, capsys):
+    """Every DistillOptions field is a flag (lists: comma lists or repeated); the command compiles a
+    pipeline of one distill pass, the keep_layers student being the teacher with layers dropped."""
+    import compiler.pipeline.compile as compile_module
+    from qcompile.cli import main
+
+    calls = []
+    monkeypatch.setattr(compile_module, "compile_loaded", lambda loaded, config, out, force: calls.append(config) or 1 / 0)
+    monkeypatch.setattr(sys, "argv", ["qcompile", "distill", "--teacher", str(teacher_dir), "--student", "keep_layers:0",
+                                      "--weight-decay", "0.01", "--heldout", "a.txt,b.txt", "--heldout", "c.txt",
+                                      "--train-corpus", "d.txt", "--learn-qparams", "-o", str(tmp_path / "o")])
+    with pytest.raises(SystemExit):
+        main()
+    (entry,) = calls[0].passes
+    assert entry["name"] == "distill" and entry["student"] == "keep_layers:0" and entry["teacher"] == ""
+    assert entry["weight_decay"] == 0.01 and entry["heldout"] == ["a.txt", "b.txt", "c.txt"]
+    assert entry["train_corpora"] == ["d.txt"] and entry["learn_qparams"] and entry["output_dir"] == str(tmp_path / "o")
+    assert entry["steps"] == 100 and "layer_map" not in entry  # dataclass defaults; layer_map: pipeline files only
+
+
+def test_resume_reaches_the_pass(teacher_dir, tmp_path):
+    """--resume continues from OUT/checkpoints (here: the finished run's last step, so no step reruns)."""
+    args = ["distill", "--teacher", teacher_dir, "--student", "keep_layers:1", "--steps", 2, *FAST, "-o", tmp_path / "o", "--json"]
+    first = qcompile(*args)
+    assert first.returncode == 0, first.stderr
+    again = qcompile(*args, "--resume")
+    assert again.returncode == 0, again.stderr
+    result = json.loads(again.stdout)
+    assert result["resumed_from"] == 2 and result["kl_after"] == json.loads(first.stdout)["kl_after"]
+
+
+def test_the_target_check_runs_before_training(teacher_dir, tmp_path):
+    """--target checks the formats an artifact student already holds, as a pipeline's [target] does."""
+    loaded = load_checkpoint(teacher_dir)
+    int4 = tmp_path / "int4"
+    save_artifact(int4, int4_copy(loaded.model, group_size=64), loaded.tokenizer, loaded.source, {}, [])
+    r = qcompile("distill", "--teacher", teacher_dir, "--student", int4, "--target", "ascend", *FAST, "-o", tmp_path / "x")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "target 'ascend' cannot run" in r.stderr and "down_proj" in r.stderr
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
 
 
 def test_distill_pass_in_a_pipeline(teacher_dir, tmp_path):

@@ -37,12 +37,70 @@ def test_lower_errors_are_one_line(tmp_path, monkeypatch, capsys, args, match):
     assert not (tmp_path / "b").exists()
 
 
-def test_register_lowering_adds_a_target(monkeypatch, capsys, tmp_path):
+def test_a_flag_the_target_does_not_take_names_the_target_and_its_flags(tmp_path, monkeypatch, capsys):
+    code, out = run_cli(monkeypatch, capsys, "lower", tmp_path, "--target", "onnx", "--soc", "Ascend910B3", "-o", tmp_path / "y")
+    assert code == 2 and "--target onnx does not take --soc; its options: --max-len" in out
+    assert out.count("\n") == 1 and not (tmp_path / "y").exists()
+
+
+def test_target_flags_reach_the_targets_dataclass(tmp_path, monkeypatch, capsys):
+    """Comma lists and repeated flags both build a list option; only the flags given are passed."""
+    from backends.ascend import AscendLowerOptions
     from compiler.deploy import lowering
 
     calls = []
-    monkeypatch.setitem(lowering.LOWERINGS, "fake", lambda *args: calls.append(args) or args[1])
-    code, _ = run_cli(monkeypatch, capsys, "lower", tmp_path, "--target", "fake", "-o", tmp_path / "x")
-    assert code == 0 and calls[0] == (tmp_path, tmp_path / "x", {}, False)
-    code, out = run_cli(monkeypatch, capsys, "lower", tmp_path, "--target", "onnx", "--soc", "Ascend910B3", "-o", tmp_path / "y")
-    assert code == 2 and "--target onnx: unknown option 'soc'" in out
+    fake = lowering.Lowering("ascend", lambda *args: calls.append(args) or args[1], AscendLowerOptions)
+    monkeypatch.setitem(lowering.LOWERINGS, "ascend", fake)
+    code, out = run_cli(monkeypatch, capsys, "lower", tmp_path, "--target", "ascend", "--soc", "Ascend910B3",
+                        "--buckets", "128,256", "--buckets", "512", "-o", tmp_path / "x")
+    assert code == 0, out
+    assert calls == [(tmp_path, tmp_path / "x", AscendLowerOptions(soc="Ascend910B3", buckets=[128, 256, 512]), False)]
+    code, out = run_cli(monkeypatch, capsys, "lower", tmp_path, "--target", "ascend", "--buckets", "128,x", "-o", tmp_path / "x")
+    assert code == 2 and "--buckets '128,x': give a comma list of int values" in out
+
+
+NEW_BACKEND = """
+from dataclasses import dataclass
+from pathlib import Path
+from compiler.deploy.lowering import register_lowering
+from compiler.options import option
+
+@dataclass(frozen=True)
+class FakeOptions:
+    knob: int = option(1, "How far to turn the knob.")
+
+def run(artifact, out, opts, force):
+    Path(out).mkdir()
+    (Path(out) / "knob").write_text(str(opts.knob))
+    return out
+
+register_lowering("fake", run, FakeOptions)
+from qcompile.cli import main
+main()
+"""
+
+
+def test_a_new_backend_brings_its_own_flags(tmp_path):
+    """A lowering registered with its options dataclass gets its flags without any change to the CLI."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    run = lambda *args: subprocess.run([sys.executable, "-c", NEW_BACKEND, "lower", *map(str, args)],
+                                       capture_output=True, text=True, env=env, timeout=300)
+    r = run("--help")
+    assert r.returncode == 0 and "--knob" in r.stdout and "fake: How far" in r.stdout
+    r = run(tmp_path, "--target", "fake", "--knob", "7", "-o", tmp_path / "x")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "x" / "knob").read_text() == "7"
+    r = run(tmp_path, "--target", "onnx", "--knob", "7", "-o", tmp_path / "y")
+    assert r.returncode == 2 and "--target onnx does not take --knob" in r.stderr
+
+
+def test_lower_python_api_names_the_targets_options(tmp_path):
+    from compiler.deploy.lowering import lower
+    from compiler.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="lower target 'onnx': unknown option 'soc'"):
+        lower(tmp_path, "onnx", tmp_path / "x", {"soc": "Ascend910B3"})
