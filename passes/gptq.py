@@ -3,10 +3,11 @@
 Rounding column j of a weight W [N, K] to the target grid leaves an error; GPTQ spreads it over
 the columns not yet rounded, weighted by the inverse Hessian of the layer's output error
 H = XᵀX / T (X: calibration inputs), so that ``||X (Q - W)ᵀ||²`` ends up far below
-round-to-nearest's. The quantizer's parameters (row or group scales, zero points) are fixed
-beforehand from the weight, as with GPTQ's static groups, so the loop serves any such format:
-the ``fp8`` pass uses ``gptq_round`` directly, the ``awq`` pass ``gptq_int4`` (per-group INT4
-scales and zero points from AWQ's clipped range).
+round-to-nearest's; the passes take H from the calibration collector
+(``compiler/pipeline/calibration.py``, ``InputRequest(gram=...)``). The quantizer's parameters
+(row or group scales, zero points) are fixed beforehand from the weight, as with GPTQ's static
+groups, so the loop serves any such format: the ``fp8`` pass uses ``gptq_round`` directly, the
+``awq`` pass ``gptq_int4`` (per-group INT4 scales and zero points from AWQ's clipped range).
 """
 from __future__ import annotations
 
