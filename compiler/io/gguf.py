@@ -17,13 +17,13 @@ from compiler.errors import CheckpointError
 from compiler.model.architectures import FULL, SLIDING
 from compiler.model.config import ModelConfig
 
-_LLAMA_LAYER_TENSORS = {
+_LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
 _GEMMA3_LAYER_TENSORS = {
-    **_LLAMA_LAYER_TENSORS,
+    **_LAYER_TENSORS,
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
@@ -35,7 +35,7 @@ _GLOBAL_TENSORS = {"token_embd": "embed_tokens", "output_norm": "norm", "output"
 class GgufArch:
     architecture: str  # the HF architecture
     permuted_qk: bool = False  # llama.cpp interleaved q/k rows for its RoPE
-    layer_tensors: dict[str, str] = field(default_factory=lambda: _LLAMA_LAYER_TENSORS)
+    layer_tensors: dict[str, str] = field(default_factory=lambda: _LAYER_TENSORS)
     norm_offset: float = 0.0  # stored norm weights = offset + w (Gemma)
 
 
@@ -80,7 +80,10 @@ def gguf_config(reader, path: Path) -> ModelConfig:
     n_heads = _field(reader, f"{arch}.attention.head_count")
     dim = _field(reader, f"{arch}.embedding_length")
     n_layers = int(_field(reader, f"{arch}.block_count"))
-    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
+    if not vocab:
+        raise CheckpointError(f"{path}: no {arch}.vocab_size and no tokenizer.ggml.tokens; the file is incomplete")
     extra = _gemma3_fields(reader, path, n_layers) if arch == "gemma3" else {}
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch].architecture,
