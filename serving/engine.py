@@ -188,7 +188,7 @@ class Engine:
         cos, sin = m.rope(positions, x.dtype)
         for layer in m.layers:
             x = layer(x, cos, sin, positions, self.cache)
-        return m.lm_head(m.norm(x[0, sample_idx])).float()  # [S, V]
+        return m.logits(x[0, sample_idx]).float()  # [S, V]
 
     # -- the async API -------------------------------------------------------------------------
 

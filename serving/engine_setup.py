@@ -37,4 +37,4 @@ def build_kv_cache(model: torch.nn.Module, plan: ServingPlan, device: torch.devi
     num_blocks = plan.num_blocks or max(1, int(plan.kv_memory_mb * 2**20) // bytes_per_block(
         plan.block_size, c.n_layers, c.n_kv_heads, c.head_dim, dtype))
     spec = KVCacheSpec(c.n_layers, num_blocks, plan.block_size, c.n_kv_heads, c.head_dim, dtype)
-    return PagedKVCache(spec, device, k_scales, v_scales, c.sliding_window)
+    return PagedKVCache(spec, device, k_scales, v_scales, c.sliding_windows)

@@ -11,11 +11,13 @@ blocks another sequence fills in the same step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
 from compiler.deploy.serving_plan import bytes_per_block
 from compiler.kernels import triton_available
+from compiler.model.kv_cache import layer_windows
 from serving.paged_attention import (
     paged_decode_reference,
     paged_prefill_reference,
@@ -63,10 +65,14 @@ class BatchMetadata:
 
 
 class PagedKVCache:
-    """Per layer ``[num_blocks, block_size, Hkv, D]`` K and V tensors, read and written through metadata."""
+    """Per layer ``[num_blocks, block_size, Hkv, D]`` K and V tensors, read and written through metadata.
+
+    ``sliding_window``: one window for every layer, or one per layer (None: full attention). A
+    windowed layer still keeps every block; it only reads the last ``window`` positions."""
 
     def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu", k_scales: list[torch.Tensor] | None = None,
-                 v_scales: list[torch.Tensor] | None = None, sliding_window: int | None = None, use_triton: bool | None = None):
+                 v_scales: list[torch.Tensor] | None = None, sliding_window: int | Sequence[int | None] | None = None,
+                 use_triton: bool | None = None):
         self.spec = spec
         self.device = torch.device(device)
         shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
@@ -76,7 +82,7 @@ class PagedKVCache:
         self.v_scales = [s.to(self.device) for s in v_scales] if v_scales else None
         if spec.dtype == torch.float8_e4m3fn and not (self.k_scales and self.v_scales):
             raise ValueError("an FP8 KV cache needs per-layer k_scales and v_scales")
-        self.sliding_window = sliding_window
+        self.sliding_windows = layer_windows(sliding_window, spec.num_layers)
         if use_triton is None and self.device.type == "cuda":
             use_triton = triton_available()
         self.use_triton = bool(use_triton)
@@ -105,6 +111,7 @@ class PagedKVCache:
         if meta is None or q.shape[0] != 1:
             raise RuntimeError("PagedKVCache.attend needs set_batch() and a flattened [1, T] batch")
         k_scale, v_scale = self._scales(layer_idx)
+        window = self.sliding_windows[layer_idx]
         kc, vc = self.k[layer_idx], self.v[layer_idx]
         H, D = self.spec.num_kv_heads, self.spec.head_dim
         kc.view(-1, H, D)[meta.slot_mapping] = quantize_kv(k[0].transpose(0, 1), kc.dtype, k_scale)
@@ -115,12 +122,12 @@ class PagedKVCache:
             qd = q_tok[meta.decode_token_idx]
             decode = self._decode_fn()
             out[meta.decode_token_idx] = decode(qd, kc, vc, meta.decode_block_tables, meta.decode_seq_lens,
-                                                k_scale, v_scale, self.sliding_window)
+                                                k_scale, v_scale, window)
         pos = positions[0]
         for p in meta.prefills:
             sl = slice(p.q_start, p.q_start + p.q_len)
             o = paged_prefill_reference(q_tok[sl].transpose(0, 1), kc, vc, p.block_ids, pos[sl], p.context_len,
-                                        k_scale, v_scale, self.sliding_window)
+                                        k_scale, v_scale, window)
             out[sl] = o.transpose(0, 1)
         return out.transpose(0, 1)[None]
 

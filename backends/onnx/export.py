@@ -22,6 +22,11 @@ from compiler.io.types import LoadedModel
 from compiler.model.transformer import Transformer
 
 EXTERNAL_THRESHOLD = 1024  # bytes: tensors above this go to weights.data
+# What graph.py builds by hand: the Llama-family layer (an RMSNorm before attention and one before
+# a SwiGLU MLP, one RoPE table, one window for every layer). Qwen3 / Gemma 3 (q/k norms, Gemma's
+# norms and GeGLU, per-layer windows and RoPE bases) and the MoE architectures (routers, experts)
+# would export as a wrong graph, so they are refused here.
+LOWERABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,10 @@ class OnnxExportOptions:
     dequantize: bool = False  # export quantized layers as float (dequantized) weights
 
     def validate(self, model: Transformer) -> None:
+        arch = model.config.architecture
+        if arch not in LOWERABLE_ARCHITECTURES:
+            raise ConfigError(f"the ONNX export cannot lower {arch} yet (it lowers {', '.join(LOWERABLE_ARCHITECTURES)}); "
+                              "serve it with the engine (qcompile generate) instead")
         if self.dtype not in ("float32", "float16"):
             raise ConfigError(f"ONNX export dtype must be float32 or float16, got {self.dtype!r}")
         if not 1 <= self.max_len <= model.config.max_seq_len:

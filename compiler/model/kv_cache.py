@@ -6,7 +6,7 @@ back, so a cache decides both where K/V live and how they are read: the contiguo
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,16 +39,29 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
 
 
+def layer_windows(sliding_window: int | Sequence[int | None] | None, n_layers: int) -> list[int | None]:
+    """Per-layer attention windows from one window for every layer (or None) or a list of them."""
+    if sliding_window is None or isinstance(sliding_window, int):
+        return [sliding_window] * n_layers
+    windows = list(sliding_window)
+    if len(windows) != n_layers:
+        raise ValueError(f"{len(windows)} sliding windows for {n_layers} layers")
+    return windows
+
+
 class ContiguousKVCache:
-    """One [B, Hkv, max_len, D] buffer per layer for K and for V; positions index it directly."""
+    """One [B, Hkv, max_len, D] buffer per layer for K and for V; positions index it directly.
+
+    ``sliding_window``: one window for every layer, or one per layer (None: full attention)."""
 
     def __init__(self, n_layers: int, batch_size: int, max_len: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", sliding_window: int | None = None):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 sliding_window: int | Sequence[int | None] | None = None):
         shape = (batch_size, n_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.max_len = max_len
-        self.sliding_window = sliding_window
+        self.sliding_windows = layer_windows(sliding_window, n_layers)
         self.length = 0  # highest position written + 1
 
     def attend(self, layer_idx, q, k, v, positions):
@@ -60,7 +73,7 @@ class ContiguousKVCache:
         self.v[layer_idx][rows, :, positions] = v.transpose(1, 2).to(self.v[layer_idx].dtype)
         self.length = max(self.length, int(positions.max()) + 1)
         k_pos = torch.arange(self.length, device=q.device).expand(q.shape[0], -1)
-        mask = attention_mask(positions, k_pos, self.sliding_window)
+        mask = attention_mask(positions, k_pos, self.sliding_windows[layer_idx])
         keys = self.k[layer_idx][:, :, : self.length].to(q.dtype)
         values = self.v[layer_idx][:, :, : self.length].to(q.dtype)
         return sdpa(q, keys, values, mask)

@@ -1,0 +1,56 @@
+"""What tells one supported decoder architecture from another, as data.
+
+``ModelConfig`` holds a model's sizes and options (from its ``config.json`` or GGUF metadata);
+this table holds what follows from the architecture alone: which norms a layer has and where,
+the activation, how the feed-forward is routed and what its modules are called. The decoder
+(``transformer.py``, ``layers.py``, ``moe.py``) assembles itself from an ``ArchSpec``, and a pass
+that needs to know the structure (AWQ's smoothing groups, which Linears are routers) can read
+the same entry.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """The structure of one architecture's decoder layers."""
+
+    name: str  # the HF class name in ``config.json``'s ``architectures``
+    model_type: str  # ``config.json``'s ``model_type``
+    # RMSNorm over each head's q and k (``self_attn.q_norm`` / ``k_norm``), before RoPE.
+    qk_norm: bool = False
+    # Gemma's RMSNorm multiplies by (offset + weight), its weights stored as offsets from 1.
+    norm_weight_offset: float = 0.0
+    # Gemma: ``post_attention_layernorm`` normalises the attention output before the residual
+    # add, ``pre_feedforward_layernorm`` feeds the MLP and ``post_feedforward_layernorm`` its
+    # output; without it ``post_attention_layernorm`` is the MLP's input norm (Llama).
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False  # Gemma: embeddings times √dim
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    # The feed-forward: "dense" (``mlp``: gate/up/down_proj), or routed experts: "qwen_moe"
+    # (``mlp.gate`` router, ``mlp.experts.N.{gate,up,down}_proj``), "mixtral"
+    # (``block_sparse_moe.gate``, ``block_sparse_moe.experts.N.{w1,w3,w2}``).
+    ffn: Literal["dense", "qwen_moe", "mixtral"] = "dense"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.ffn != "dense"
+
+
+ARCHITECTURES = {spec.name: spec for spec in (
+    ArchSpec("LlamaForCausalLM", "llama"),
+    ArchSpec("MistralForCausalLM", "mistral"),
+    ArchSpec("Qwen2ForCausalLM", "qwen2"),
+    ArchSpec("Qwen3ForCausalLM", "qwen3", qk_norm=True),
+    ArchSpec("Gemma3ForCausalLM", "gemma3_text", qk_norm=True, norm_weight_offset=1.0, sandwich_norms=True,
+             scale_embeddings=True, activation="gelu_tanh"),
+    ArchSpec("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, ffn="qwen_moe"),
+    ArchSpec("MixtralForCausalLM", "mixtral", ffn="mixtral"),
+)}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+ARCHITECTURE_OF_MODEL_TYPE = {spec.model_type: spec.name for spec in ARCHITECTURES.values()}
+
+# The names HF gives a layer's attention types (``config.json``'s ``layer_types``).
+FULL, SLIDING = "full_attention", "sliding_attention"
