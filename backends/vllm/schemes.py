@@ -144,7 +144,7 @@ def check_plan(plan) -> str | None:
     """What vLLM cannot run in a ``DeploymentPlan`` as a whole (a pipeline's before it runs, or an artifact's)."""
     if plan.dtype == "float32" and any(f.get("format") == "int4" for f in plan.formats.values()):
         return ("int4 layers in a float32 model: vLLM's INT4 kernels (CPUWNA16 on CPUs, Marlin and the others on "
-                "GPUs) take bfloat16 or float16 activations only; set [model] dtype = \"bfloat16\"")
+                "GPUs) take float16 or bfloat16 activations only; set [model] dtype = \"float16\" (or \"bfloat16\")")
     if "lm_head" in plan.formats:
         return "a quantized lm_head (qcompile exports lm_head in the model dtype); keep lm_head in modules_to_not_convert"
     kv = plan.kv_cache

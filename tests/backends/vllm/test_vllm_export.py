@@ -66,7 +66,7 @@ def test_int4_checkpoint_holds_the_artifacts_codes(int4):
         n, k, g = module.out_features, module.in_features, module.group_size
         packed, scale = tensors[prefix + "weight_packed"], tensors[prefix + "weight_scale"]
         assert packed.dtype == torch.int32 and packed.shape == (n, k // 8)
-        assert scale.dtype == torch.bfloat16 and torch.equal(scale, module.scales)  # the model dtype, unchanged
+        assert scale.dtype == torch.float16 and torch.equal(scale, module.scales)  # the model dtype, unchanged
         assert tensors[prefix + "weight_shape"].tolist() == [n, k]
         codes, zeros = module.codes()
         assert torch.equal(unpack_rows(packed), codes.to(torch.int64))  # stored nibble = q' + 8 = our code
@@ -75,7 +75,7 @@ def test_int4_checkpoint_holds_the_artifacts_codes(int4):
         assert torch.equal(unpack_rows(zp.t().contiguous())[:, :n].t(), zeros.to(torch.int64))
         w = ((unpack_rows(packed) - 8) - (unpack_rows(zp.t().contiguous())[:, :n].t() - 8).repeat_interleave(g, 1))
         assert torch.equal((w.float() * scale.float().repeat_interleave(g, 1)).to(scale.dtype), module.dequantized_weight())
-    assert "lm_head.weight" in tensors and tensors["lm_head.weight"].dtype == torch.bfloat16
+    assert "lm_head.weight" in tensors and tensors["lm_head.weight"].dtype == torch.float16
     record = json.loads((out / "qcompile_export.json").read_text())
     assert record["schemes"]["model.layers.0.mlp.down_proj"] == "pack-quantized" and record["files"] == ["model.safetensors"]
 
@@ -84,7 +84,7 @@ def test_hf_config_round_trips_and_tokenizer_is_written(int4):
     artifact, out = int4
     config = json.loads((out / "config.json").read_text())
     assert ModelConfig.from_hf(config) == load_artifact(artifact).model.config
-    assert config["dtype"] == "bfloat16" and config["architectures"] == ["LlamaForCausalLM"]
+    assert config["dtype"] == "float16" and config["architectures"] == ["LlamaForCausalLM"]
     assert (out / "tokenizer.json").exists()
 
 
@@ -151,12 +151,12 @@ def test_shards_and_index(tmp_path):
 
 # Pipelines the vllm target refuses before any work, and the words the one-line error must hold.
 REFUSED = [
-    ({"model": {"dtype": "bfloat16"}, "passes": [{"name": "awq", "group_size": 64, "group_size_policy": "pad"}]},
+    ({"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 64, "group_size_policy": "pad"}]},
      'group_size_policy = "fallback"'),
-    ({"passes": [{"name": "awq", "group_size": 64}]}, 'dtype = "bfloat16"'),
-    ({"model": {"dtype": "bfloat16"}, "passes": [{"name": "awq", "group_size": 64, "modules_to_not_convert": []}]},
+    ({"passes": [{"name": "awq", "group_size": 64}]}, 'dtype = "float16"'),
+    ({"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 64, "modules_to_not_convert": []}]},
      "lm_head"),
-    ({"model": {"dtype": "bfloat16"}, "passes": [{"name": "awq", "group_size": 64,
+    ({"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 64,
                                                   "modules_to_not_convert": ["lm_head", "layers.1.self_attn.k_proj"]}]},
      "fused layer"),
     ({"passes": [{"name": "fp8"}]}, "input_shift = false"),
@@ -188,7 +188,7 @@ def test_pipeline_for_vllm_is_refused_before_any_work(checkpoint, tmp_path, monk
 
 @pytest.mark.parametrize("pipeline, words", [
     ({"passes": [{"name": "fp8", "max_layer_error": 10.0}]}, "input_shift = false"),
-    ({"passes": [{"name": "awq", "group_size": 64}]}, 'dtype = "bfloat16"'),
+    ({"passes": [{"name": "awq", "group_size": 64}]}, 'dtype = "float16"'),
     ({"passes": [{"name": "fp8", "input_shift": False, "kv_cache_dtype": "float8_e4m3fn", "max_layer_error": 10.0}]},
      "per_head"),
 ])

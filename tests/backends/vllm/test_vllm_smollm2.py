@@ -2,7 +2,8 @@
 pydoc protocol (16 × 512 windows, ``calib.protocol``) as vLLM's prompt log-probabilities give it
 and as ``qcompile eval`` gives it for the artifact must agree within 0.5%.
 
-The pipeline is examples/awq_g128.toml in bfloat16 (vLLM's INT4 kernels take no float32). Both
+The pipeline is examples/awq_g128.toml in float16 (vLLM's INT4 kernels take no float32, and its
+CPU bfloat16 W4A16 kernel dies of an illegal instruction on this machine). Both
 figures are printed; docs/BENCHMARKS.md records them.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ def test_smollm2_awq_perplexity_on_vllm_matches_qcompile_eval(tmp_path):
 
     assert VLLM_PYTHON.exists(), "vLLM is not installed; run scripts/setup_vllm.sh"
     pipeline = tomllib.loads((ROOT / "examples" / "awq_g128.toml").read_text())
-    pipeline["model"]["dtype"] = "bfloat16"
+    pipeline["model"]["dtype"] = "float16"
     pipeline["target"] = {"name": "vllm"}
     artifact = compile_model("smollm2", PipelineConfig.from_dict(pipeline), tmp_path / "awq").path
     checkpoint = lower(artifact, "vllm", tmp_path / "awq-vllm")
@@ -41,6 +42,6 @@ def test_smollm2_awq_perplexity_on_vllm_matches_qcompile_eval(tmp_path):
                        extra_args=["--enforce-eager"])
     with VllmServer(opts, log_path=tmp_path / "vllm.log") as server:
         theirs = server_perplexity(server.url, server.model, windows)
-    print(f"SmolLM2 AWQ g128-fallback bf16, pydoc 16x512: qcompile eval {ours['ppl']:.4f}, vLLM {theirs['ppl']:.4f}")
+    print(f"SmolLM2 AWQ g128-fallback fp16, pydoc 16x512: qcompile eval {ours['ppl']:.4f}, vLLM {theirs['ppl']:.4f}")
     assert theirs["tokens"] == ours["tokens"]
     assert abs(theirs["ppl"] / ours["ppl"] - 1) < 0.005, (ours, theirs)
