@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from backends.vllm.schemes import FUSED_SETS, ct_scheme, kv_cache_scheme
+from backends.vllm.tensors import fp8_tensors, int4_tensors, kv_scale_tensors
 from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
 from compiler.errors import ConfigError
 from compiler.formats.qlinear import linear_modules, quantized_modules
@@ -127,8 +128,6 @@ def quantization_config(model: torch.nn.Module, modules: dict[str, dict], kv_cac
 
 def checkpoint_tensors(model: torch.nn.Module, manifest: dict) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint under its Hugging Face name (tied lm_head left out, as HF does)."""
-    from backends.vllm.tensors import fp8_tensors, int4_tensors, kv_scale_tensors
-
     quantized = quantized_modules(model)
     converters = {"int4": int4_tensors, "fp8": fp8_tensors}
     out: dict[str, torch.Tensor] = {}
