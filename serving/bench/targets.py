@@ -3,6 +3,8 @@
   ARTIFACT_DIR                       in-process engine (``serving.adapters.engine.EngineAdapter``)
   triton-grpc://HOST:PORT/MODEL      Triton Inference Server over gRPC (streaming)
   triton-http://HOST:PORT/MODEL      Triton Inference Server over HTTP (generate_stream, or generate with --no-stream)
+  openai://HOST:PORT[/MODEL]         any OpenAI-compatible server, streamed /v1/completions (vLLM, SGLang, …);
+                                     MODEL defaults to the one /v1/models lists
   ONNX_DIR (holds *.onnx)            ONNX Runtime (``qcompile lower --target onnx``)
   ASCEND_BUNDLE (om/, build_om.sh)   Ascend NPU bundle (``qcompile lower --target ascend``)
 
@@ -18,14 +20,14 @@ from urllib.parse import urlparse
 
 from serving.bench.errors import BenchError
 
-SCHEMES = ("triton-grpc", "triton-http")
+SCHEMES = ("triton-grpc", "triton-http", "openai")
 
 
 @dataclass(frozen=True)
 class Target:
     """A parsed TARGET: its kind, and either a directory or a server address + model name."""
 
-    kind: str  # "engine", "triton-grpc", "triton-http", "onnx", "ascend"
+    kind: str  # "engine", "triton-grpc", "triton-http", "openai", "onnx", "ascend"
     spec: str
     path: Path | None = None
     url: str | None = None  # HOST:PORT
@@ -38,12 +40,16 @@ def parse_target(spec: str) -> Target:
     if scheme is not None:
         parsed = urlparse(spec)
         model = parsed.path.strip("/")
-        if scheme not in SCHEMES or not parsed.hostname or not parsed.port or not model:
-            raise BenchError(f"target {spec!r} is not valid; use triton-grpc://HOST:PORT/MODEL or triton-http://HOST:PORT/MODEL")
-        return Target(scheme, spec, url=f"{parsed.hostname}:{parsed.port}", model=model)
+        if scheme not in SCHEMES or not parsed.hostname or not parsed.port or not (model or scheme == "openai"):
+            raise BenchError(f"target {spec!r} is not valid; use triton-grpc://HOST:PORT/MODEL, "
+                             "triton-http://HOST:PORT/MODEL or openai://HOST:PORT[/MODEL]")
+        url = f"{parsed.hostname}:{parsed.port}"
+        if scheme == "openai" and not model:
+            model = _served_model(url)
+        return Target(scheme, spec, url=url, model=model)
     path = Path(spec)
     if not path.is_dir():
-        raise BenchError(f"target {spec!r} is neither a directory nor a triton-grpc:// or triton-http:// address")
+        raise BenchError(f"target {spec!r} is neither a directory nor a triton-grpc://, triton-http:// or openai:// address")
     if (path / "om").is_dir() or (path / "build_om.sh").is_file():  # qcompile lower --target ascend
         return Target("ascend", spec, path=path)
     if any(path.glob("*.onnx")):
@@ -51,6 +57,20 @@ def parse_target(spec: str) -> Target:
     if (path / "manifest.json").is_file():
         return Target("engine", spec, path=path)
     raise BenchError(f"{spec} holds no manifest.json, *.onnx or om/; give an artifact, an ONNX Runtime bundle or an Ascend bundle")
+
+
+def _served_model(url: str) -> str:
+    """The one model an OpenAI-compatible server at ``url`` serves (several: the target must name one)."""
+    from serving.adapters.openai import OpenAIRequestError, served_models
+
+    try:
+        models = served_models(url)
+    except OpenAIRequestError as e:
+        raise BenchError(str(e)) from None
+    if len(models) != 1:
+        listed = ", ".join(models) or "none"
+        raise BenchError(f"openai://{url} serves {len(models)} models ({listed}); name one: openai://{url}/MODEL")
+    return models[0]
 
 
 def check_stream(target: Target, stream: bool) -> None:
@@ -74,6 +94,8 @@ def open_adapter(target: Target, stream: bool = True):
         return _import("serving.adapters.triton_grpc", "TritonGrpcAdapter", "Triton gRPC")(target.url, target.model)
     if target.kind == "triton-http":
         return _import("serving.adapters.triton_http", "TritonHttpAdapter", "Triton HTTP")(target.url, target.model, stream)
+    if target.kind == "openai":
+        return _import("serving.adapters.openai", "OpenAIAdapter", "OpenAI-compatible")(target.url, target.model)
     if target.kind == "onnx":
         return _import("serving.adapters.onnx", "OnnxRuntimeAdapter", "ONNX Runtime").from_dir(target.path)
     return _import("serving.adapters.ascend", "AscendAdapter", "Ascend").from_bundle(target.path)
@@ -84,6 +106,8 @@ def target_tokenizer(target: Target, tokenizer_path: Path | None):
     from compiler.io.types import load_tokenizer
 
     source = tokenizer_path or target.path
+    if source is None and target.kind == "openai" and target.model and Path(target.model).is_dir():
+        source = Path(target.model)  # vLLM names a model served from a local directory by its path
     if source is None:
         return None
     if not Path(source).is_dir():

@@ -1,0 +1,27 @@
+"""vLLM target: a compressed-tensors checkpoint (``export.py``) and the ``vllm serve`` process (``runtime.py``).
+
+Registers the ``vllm`` target, whose constraints (``schemes.py``) the pipeline checks before any
+pass runs and ``qcompile lower`` checks for an existing artifact, and its lowering:
+
+    qcompile lower ARTIFACT --target vllm -o DIR     # DIR: a Hugging Face-style checkpoint
+    qcompile serve DIR --engine vllm                 # vllm serve DIR on 127.0.0.1 (OpenAI API)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from backends.vllm.schemes import check_module, check_plan
+from compiler.deploy.lowering import register_lowering
+from compiler.deploy.targets import TargetSpec, register_target
+from compiler.options import parse_options
+
+
+def _lower(artifact: Path, out: Path, options: dict, force: bool) -> Path:
+    from backends.vllm.export import VllmLowerOptions, export_vllm
+
+    return export_vllm(artifact, out, parse_options(VllmLowerOptions, options, "--target vllm"), force)
+
+
+register_target(TargetSpec("vllm", "vLLM: a compressed-tensors checkpoint (INT4 pack-quantized, FP8 float-quantized)",
+                           check_module, check_plan))
+register_lowering("vllm", _lower)

@@ -1,0 +1,206 @@
+"""Writing an artifact as a compressed-tensors checkpoint that stock vLLM loads.
+
+    OUT/
+      config.json                       the Hugging Face model config + ``quantization_config``
+      model.safetensors                 (or model-0000i-of-0000n.safetensors + model.safetensors.index.json)
+      tokenizer files                   as the artifact's tokenizer saves them
+      qcompile_export.json              where it came from: the artifact's manifest hash, per-layer schemes
+
+Tensor names are the Hugging Face ones (``model.layers.0.self_attn.q_proj.weight_packed``).
+The quantized tensors are the artifact's own codes and scales, moved into compressed-tensors'
+layout, never re-quantized (``backends/vllm/tensors.py``); the schemes are in
+``backends/vllm/schemes.py``. Everything vLLM could not run is refused before anything is written.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from backends.vllm.schemes import FUSED_SETS, ct_scheme, kv_cache_scheme
+from backends.vllm.tensors import fp8_tensors, int4_tensors, kv_scale_tensors
+from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
+from compiler.errors import ConfigError
+from compiler.formats.qlinear import linear_modules, quantized_modules
+from compiler.io.artifact import MANIFEST, load_artifact, read_manifest
+from compiler.io.atomic import atomic_directory_write
+from compiler.io.types import sha256_files
+from compiler.model.config import ModelConfig
+
+# The compressed-tensors release whose loader this layout was checked against (its decompressor
+# in tests/backends/vllm, and vLLM 0.32's CPU kernels); compressed-tensors writes its own version here.
+CT_VERSION = "0.17.0"
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+INDEX_FILE = "model.safetensors.index.json"
+EXPORT_FILE = "qcompile_export.json"
+
+
+@dataclass(frozen=True)
+class VllmLowerOptions:
+    """Options of ``qcompile lower --target vllm`` (API: ``lower(..., options={"shard_size_mb": 512})``)."""
+
+    shard_size_mb: int = 4096  # the largest safetensors shard; more tensors go into further shards
+
+    def __post_init__(self):
+        if self.shard_size_mb < 1:
+            raise ValueError(f"shard_size_mb must be >= 1, got {self.shard_size_mb}")
+
+
+def hf_name(module: str) -> str:
+    """Our module name -> the Hugging Face checkpoint's (decoder weights live under ``model.``)."""
+    return module if module == "lm_head" or module.startswith("lm_head.") else f"model.{module}"
+
+
+def check_artifact(manifest: dict, where: str) -> None:
+    """Raise ConfigError, before any work, for anything in the artifact vLLM cannot run exactly."""
+    modules = manifest.get("modules", {})
+    check_formats("vllm", modules, where)
+    check_plan("vllm", DeploymentPlan(manifest["dtype"], modules, kv_cache=manifest.get("kv_cache")), where)
+
+
+def _check_static_input_scales(model: torch.nn.Module, modules: dict[str, dict], where: str) -> None:
+    """vLLM keeps one input scale per fused layer (the largest): static q/k/v and gate/up must share theirs."""
+    for name, fmt in modules.items():
+        group = next((g for g in FUSED_SETS if name.endswith("." + g[0])), None)
+        if group is None or fmt.get("activation_scheme") != "static":
+            continue
+        block = name[: -len(group[0])]  # check_fused made the siblings the same static scheme
+        scales = {float(model.get_submodule(block + n).input_scale) for n in group}
+        if len(scales) > 1:
+            raise ConfigError(f"{where}: target 'vllm' cannot run {block.rstrip('.')}'s "
+                              f"{'/'.join(n.rpartition('.')[2] for n in group)} with different static input scales "
+                              f"{sorted(scales)} (vLLM keeps the largest for the fused layer); use activation_scheme = \"dynamic\"")
+
+
+def hf_config(config: ModelConfig, dtype: str) -> dict:
+    """The Hugging Face ``config.json`` of ``config``, built by transformers' own config class."""
+    from transformers import AutoConfig
+
+    arch = config.architecture
+    if arch != "Qwen2ForCausalLM" and config.qkv_bias != config.o_bias:
+        raise ConfigError(f"{arch} with a q/k/v bias but {'an' if config.o_bias else 'no'} o_proj bias has no "
+                          "Hugging Face config (attention_bias covers all four); this artifact cannot be exported")
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))  # "type": the older spelling
+    rope = {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": rope_type, "rope_theta": config.rope_theta}
+    fields = dict(vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=config.intermediate_size,
+                  num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
+                  num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim, hidden_act="silu",
+                  rms_norm_eps=config.norm_eps, max_position_embeddings=config.max_seq_len, rope_parameters=rope,
+                  tie_word_embeddings=config.tie_embeddings, bos_token_id=config.bos_token_id,
+                  eos_token_id=config.eos_token_id, dtype=dtype)
+    if arch == "Qwen2ForCausalLM":
+        fields |= dict(use_sliding_window=False, sliding_window=None)
+    else:
+        fields |= dict(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
+        if arch == "MistralForCausalLM":
+            fields["sliding_window"] = config.sliding_window
+    hf = AutoConfig.for_model(MODEL_TYPES[arch], **fields).to_diff_dict()  # what save_pretrained writes
+    hf["architectures"] = [arch]
+    return hf
+
+
+def quantization_config(model: torch.nn.Module, modules: dict[str, dict], kv_cache: dict | None) -> dict:
+    """``config.json``'s ``quantization_config``: one config group per distinct scheme, targets by layer name."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    schemes: dict[str, dict] = {}
+    for name, fmt in modules.items():
+        scheme = ct_scheme(fmt)
+        key = json.dumps(scheme, sort_keys=True)
+        schemes[key] = scheme
+        groups[key].append(hf_name(name))
+    config_groups = {}
+    for i, (key, targets) in enumerate(sorted(groups.items(), key=lambda kv: kv[1][0])):
+        scheme = schemes[key]
+        config_groups[f"group_{i}"] = {"targets": targets, "weights": scheme["weights"],
+                                       "input_activations": scheme["input_activations"], "output_activations": None,
+                                       "format": scheme["format"]}
+    formats = sorted({g["format"] for g in config_groups.values()})
+    ignore = [hf_name(n) for n in linear_modules(model)]  # the float linears (lm_head among them)
+    return {"quant_method": "compressed-tensors", "version": CT_VERSION,
+            "format": formats[0] if len(formats) == 1 else "mixed-precision", "quantization_status": "compressed",
+            "config_groups": config_groups, "ignore": ignore, "kv_cache_scheme": kv_cache_scheme(kv_cache),
+            "global_compression_ratio": None, "sparsity_config": {}, "transform_config": {}}
+
+
+def checkpoint_tensors(model: torch.nn.Module, manifest: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint under its Hugging Face name (tied lm_head left out, as HF does)."""
+    quantized = quantized_modules(model)
+    converters = {"int4": int4_tensors, "fp8": fp8_tensors}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        module, _, leaf = name.rpartition(".")
+        if module in quantized or (name == "lm_head.weight" and model.config.tie_embeddings):
+            continue
+        out[hf_name(module) + "." + leaf] = tensor.contiguous()
+    for name, module in quantized.items():
+        fmt = manifest["modules"][name]
+        for leaf, tensor in converters[fmt["format"]](module, fmt).items():
+            out[f"{hf_name(name)}.{leaf}"] = tensor.contiguous()
+    if manifest.get("kv_cache"):
+        out |= {hf_name(k): v for k, v in kv_scale_tensors(manifest["kv_cache"]).items()}
+    return out
+
+
+def _shards(tensors: dict[str, torch.Tensor], limit_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > limit_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    return shards + [current] if current else shards
+
+
+def write_shards(out: Path, tensors: dict[str, torch.Tensor], limit_bytes: int) -> list[str]:
+    """``model.safetensors``, or numbered shards with the index transformers and vLLM read."""
+    from safetensors.torch import save_file
+
+    shards = _shards(tensors, limit_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for file, shard in zip(names, shards):
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, file)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names
+
+
+def export_vllm(artifact: str | Path, out: str | Path, opts: VllmLowerOptions = VllmLowerOptions(),
+                force: bool = False) -> Path:
+    """Write ``artifact`` as a compressed-tensors checkpoint directory ``out`` (atomically); return ``out``."""
+    artifact, out = Path(artifact), Path(out)
+    manifest = read_manifest(artifact)
+    check_artifact(manifest, str(artifact))
+    loaded = load_artifact(artifact)
+    if loaded.tokenizer is None:
+        raise ConfigError(f"{artifact}: the artifact holds no tokenizer, and vLLM needs one; compile from a "
+                          "checkpoint that ships its tokenizer")
+    model = loaded.model
+    _check_static_input_scales(model, manifest.get("modules", {}), str(artifact))
+    config = hf_config(model.config, manifest["dtype"])
+    if manifest.get("modules") or manifest.get("kv_cache"):
+        config["quantization_config"] = quantization_config(model, manifest.get("modules", {}), manifest.get("kv_cache"))
+    tensors = checkpoint_tensors(model, manifest)
+    record = {"artifact": str(artifact.resolve()), "manifest_sha256": sha256_files([artifact / MANIFEST]),
+              "schemes": {hf_name(n): ct_scheme(f)["format"] for n, f in manifest.get("modules", {}).items()},
+              "kv_cache": manifest.get("kv_cache")}
+
+    def write(tmp: Path):
+        files = write_shards(tmp, tensors, opts.shard_size_mb << 20)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        loaded.tokenizer.save_pretrained(str(tmp))
+        (tmp / EXPORT_FILE).write_text(json.dumps({**record, "files": files}, indent=2))
+
+    atomic_directory_write(out, write, force)
+    return out
+

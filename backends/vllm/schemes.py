@@ -1,0 +1,162 @@
+"""What vLLM can run, in compressed-tensors terms: one scheme per qcompile module format.
+
+A module's manifest entry (``format_meta()``) maps onto a compressed-tensors (CT) scheme,
+the ``weights`` / ``input_activations`` quantization args and the on-disk ``format`` of one
+``config_groups`` entry in ``config.json``'s ``quantization_config``:
+
+    int4 (Int4Linear)           -> pack-quantized    weights int 4-bit, strategy group, group_size g,
+                                                     symmetric = not zero_point; no activations (W4A16)
+    fp8, activation_scheme none -> naive-quantized   weights float 8-bit, per channel / tensor (W8A16)
+    fp8, dynamic                -> float-quantized   + input_activations float 8-bit, per token, dynamic
+    fp8, static                 -> float-quantized   + input_activations float 8-bit, per tensor, static
+                                                     (the calibrated ``input_scale``)
+    FP8 KV cache (manifest)     -> kv_cache_scheme   float 8-bit, per tensor, static (k_scale / v_scale)
+
+``check_module`` says, for one manifest entry, why no stock vLLM kernel runs it (or None);
+``check_plan`` the same for what no single entry shows: the model dtype, the layer sets vLLM
+fuses into one GEMM (q/k/v, gate/up), which must share one scheme (``check_fused``), and the
+FP8 KV cache (``check_kv_cache``). Every message names the option and what to use instead.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+CT_FP8 = "float8_e4m3fn"  # compressed-tensors' one 8-bit float type (and vLLM's FP8 kernels')
+
+# Layers vLLM's Llama/Mistral/Qwen2 models run as one fused GEMM (their packed_modules_mapping).
+FUSED_SETS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+FUSED_SUFFIXES = tuple(name for group in FUSED_SETS for name in group)
+
+
+def _int4_args(fmt: dict) -> dict:
+    return {"num_bits": 4, "type": "int", "symmetric": not fmt["zero_point"], "strategy": "group",
+            "group_size": fmt["group_size"], "dynamic": False, "actorder": None, "block_structure": None}
+
+
+def _fp8_weight_args(fmt: dict) -> dict:
+    strategy = "channel" if fmt["granularity"] == "per_channel" else "tensor"
+    return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "group_size": None,
+            "dynamic": False, "actorder": None, "block_structure": None}
+
+
+def _fp8_input_args(fmt: dict) -> dict | None:
+    scheme = fmt["activation_scheme"]
+    if scheme == "none":
+        return None
+    dynamic = scheme == "dynamic"
+    return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token" if dynamic else "tensor",
+            "group_size": None, "dynamic": dynamic, "actorder": None, "block_structure": None}
+
+
+def ct_scheme(fmt: dict) -> dict:
+    """The CT scheme of a (checked) module entry: ``{"format", "weights", "input_activations"}``."""
+    if fmt["format"] == "int4":
+        return {"format": "pack-quantized", "weights": _int4_args(fmt), "input_activations": None}
+    inputs = _fp8_input_args(fmt)
+    return {"format": "naive-quantized" if inputs is None else "float-quantized",
+            "weights": _fp8_weight_args(fmt), "input_activations": inputs}
+
+
+def check_module(module: str, fmt: dict) -> str | None:
+    """None when vLLM runs ``module`` stored as ``fmt`` (a manifest entry), else why not and what to do."""
+    name = fmt.get("format")
+    if name == "int4":
+        return _check_int4(fmt)
+    if name == "fp8":
+        return _check_fp8(module, fmt)
+    return f"weight format {name!r}, which has no compressed-tensors scheme (vLLM runs float, int4 and fp8 layers)"
+
+
+def _check_int4(fmt: dict) -> str | None:
+    k, padded, g = fmt.get("in_features"), fmt.get("padded_in_features"), fmt.get("group_size")
+    if padded != k:
+        return (f"int4 group size {g} on {k} input features, zero-padded to {padded} (group_size_policy = \"pad\"): "
+                f"compressed-tensors groups must divide the input features; use group_size_policy = \"fallback\"")
+    return None
+
+
+def _check_fp8(module: str, fmt: dict) -> str | None:
+    if fmt.get("input_shift"):
+        return "fp8 input_shift (x − μ with the shift folded into the bias): vLLM has no input shift; set input_shift = false"
+    if fmt.get("outlier_channels"):
+        return (f"fp8 outlier_channels = {fmt['outlier_channels']} (channels kept in the model dtype): vLLM runs no "
+                "mixed FP8/float layer; set outlier_channels = 0")
+    if fmt.get("activation_group_size"):
+        return (f"fp8 activation_group_size = {fmt['activation_group_size']}: vLLM's FP8 scales per token and channel "
+                "group go only with 128×128 block weights; set activation_group_size = 0 (one scale per token)")
+    for key in ("weight_dtype", "activation_dtype"):
+        if fmt.get(key, CT_FP8) != CT_FP8:
+            return f"fp8 {key} = {fmt[key]!r}: compressed-tensors' and vLLM's FP8 is E4M3; set {key} = \"{CT_FP8}\""
+    if fmt.get("granularity") == "per_tensor" and module.endswith(FUSED_SUFFIXES):
+        return ("per_tensor FP8 weight scales on a layer vLLM fuses with its siblings (q/k/v, gate/up): vLLM would "
+                "re-quantize the fused weight to one scale; use granularity = \"per_channel\"")
+    return None
+
+
+def _fused_key(fmt: dict | None) -> Any:
+    """What must agree across a fused set: the scheme (not the shapes); None for a float layer."""
+    if fmt is None:
+        return None
+    return {k: v for k, v in fmt.items() if k not in ("in_features", "out_features")}
+
+
+def check_fused(formats: dict[str, dict]) -> str | None:
+    """None when every fused set (one layer's q/k/v, gate/up) is all float or of one scheme, else which is not.
+
+    ``formats`` maps quantized module names to their entries; a name absent from it is float."""
+    blocks = sorted({m.group(1) for name in formats if (m := re.fullmatch(r"(.*?)(self_attn|mlp)\.\w+", name))})
+    for block in blocks:
+        for group in FUSED_SETS:
+            entries = [formats.get(block + n) for n in group]
+            keys = [_fused_key(e) for e in entries]
+            if any(k != keys[0] for k in keys[1:]):
+                short = [n.rpartition(".")[2] for n in group]
+                parts = ", ".join(f"{s} {_describe(e)}" for s, e in zip(short, entries))
+                return (f"{block.rstrip('.')}: {parts}; vLLM runs {'/'.join(short)} as one fused layer with one "
+                        "scheme; recompile so they match (without max_layer_error, or with modules_to_not_convert "
+                        "naming all of them)")
+    return None
+
+
+def _describe(fmt: dict | None) -> str:
+    if fmt is None:
+        return "float"
+    if fmt["format"] == "int4":
+        return f"int4 g{fmt['group_size']}{'' if fmt['zero_point'] else ' symmetric'}"
+    return f"fp8 {fmt['granularity']} {fmt['activation_scheme']}"
+
+
+def check_kv_cache(entry: dict | None) -> str | None:
+    """None when vLLM runs the manifest's FP8 KV cache exactly (or there is none), else why not."""
+    if not entry:
+        return None
+    if entry.get("dtype") != CT_FP8:
+        return (f"FP8 KV cache of dtype {entry.get('dtype')!r}: compressed-tensors' kv_cache_scheme is E4M3; "
+                f"set kv_cache_dtype = \"{CT_FP8}\"")
+    if entry.get("granularity") != "per_tensor":
+        return ("FP8 KV cache with per_head scales: vLLM's CPU (and most GPU) attention backends use one scale per "
+                "layer (the heads' maximum); set kv_cache_granularity = \"per_tensor\"")
+    return None
+
+
+def check_plan(plan) -> str | None:
+    """What vLLM cannot run in a ``DeploymentPlan`` as a whole (a pipeline's before it runs, or an artifact's)."""
+    if plan.dtype == "float32" and any(f.get("format") == "int4" for f in plan.formats.values()):
+        return ("int4 layers in a float32 model: vLLM's INT4 kernels (CPUWNA16 on CPUs, Marlin and the others on "
+                "GPUs) take float16 or bfloat16 activations only; set [model] dtype = \"float16\" (or \"bfloat16\")")
+    if "lm_head" in plan.formats:
+        return "a quantized lm_head (qcompile exports lm_head in the model dtype); keep lm_head in modules_to_not_convert"
+    kv = plan.kv_cache
+    for name, options in plan.passes:  # a pipeline's FP8 KV cache, before the pass has calibrated it
+        if name == "fp8" and getattr(options, "kv_cache_dtype", "none") != "none":
+            kv = {"dtype": options.kv_cache_dtype, "granularity": options.kv_cache_granularity}
+    return check_fused(plan.formats) or check_kv_cache(kv)
+
+
+def kv_cache_scheme(entry: dict | None) -> dict | None:
+    """``quantization_config.kv_cache_scheme`` for a (checked) manifest ``kv_cache`` entry."""
+    if not entry:
+        return None
+    return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "group_size": None,
+            "dynamic": False, "actorder": None, "block_structure": None}

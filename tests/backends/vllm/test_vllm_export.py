@@ -1,0 +1,210 @@
+"""``qcompile lower --target vllm``: the compressed-tensors checkpoint, its config, and every refusal.
+
+The checkpoint's tensors are unpacked here by compressed-tensors' documented bit layout (written
+out independently of backends/vllm/tensors.py) and compared with the artifact's own codes, zero
+points and dequantized weights; test_vllm_server.py runs compressed-tensors' own decompressor
+and the real vLLM on them.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from vllm_helpers import FP8, INT4, compile_for, save_checkpoint
+
+import backends  # noqa: F401  (registers the vllm target)
+from backends.vllm.export import _shards, hf_config, write_shards
+from backends.vllm.schemes import check_fused
+from compiler.deploy.lowering import lower
+from compiler.errors import ConfigError, PipelineValidationError
+from compiler.formats.qlinear import quantized_modules
+from compiler.io.artifact import load_artifact
+from compiler.model.config import ModelConfig
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_checkpoint(tmp_path_factory.mktemp("vllm-export"), "llama")
+
+
+@pytest.fixture(scope="module")
+def int4(checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("int4")
+    artifact = compile_for(checkpoint, INT4, root / "artifact")
+    return artifact, lower(artifact, "vllm", root / "vllm")
+
+
+def read_tensors(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out |= {k: f.get_tensor(k) for k in f.keys()}
+    return out
+
+
+def unpack_rows(words: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' 4-bit packing undone: word j holds elements 8j..8j+7 at bits 0, 4, …, 28."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    return torch.stack([(w >> (4 * i)) & 0xF for i in range(8)], dim=-1).reshape(w.shape[0], -1)
+
+
+def test_int4_checkpoint_holds_the_artifacts_codes(int4):
+    artifact, out = int4
+    config = json.loads((out / "config.json").read_text())
+    q = config["quantization_config"]
+    assert q["quant_method"] == "compressed-tensors" and q["format"] == "pack-quantized" and q["ignore"] == ["lm_head"]
+    by_group = {g["weights"]["group_size"]: g for g in q["config_groups"].values()}
+    assert sorted(by_group) == [32, 64]  # g64 where it divides, the fallback 32 on down_proj (96 inputs)
+    assert by_group[32]["targets"] == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert all(g["weights"]["symmetric"] is False and g["input_activations"] is None for g in by_group.values())
+    tensors = read_tensors(out)
+    model = load_artifact(artifact).model
+    for name, module in quantized_modules(model).items():
+        prefix = f"model.{name}."
+        n, k, g = module.out_features, module.in_features, module.group_size
+        packed, scale = tensors[prefix + "weight_packed"], tensors[prefix + "weight_scale"]
+        assert packed.dtype == torch.int32 and packed.shape == (n, k // 8)
+        assert scale.dtype == torch.float16 and torch.equal(scale, module.scales)  # the model dtype, unchanged
+        assert tensors[prefix + "weight_shape"].tolist() == [n, k]
+        codes, zeros = module.codes()
+        assert torch.equal(unpack_rows(packed), codes.to(torch.int64))  # stored nibble = q' + 8 = our code
+        zp = tensors[prefix + "weight_zero_point"]
+        assert zp.shape == (-(-n // 8), k // g)
+        assert torch.equal(unpack_rows(zp.t().contiguous())[:, :n].t(), zeros.to(torch.int64))
+        w = ((unpack_rows(packed) - 8) - (unpack_rows(zp.t().contiguous())[:, :n].t() - 8).repeat_interleave(g, 1))
+        assert torch.equal((w.float() * scale.float().repeat_interleave(g, 1)).to(scale.dtype), module.dequantized_weight())
+    assert "lm_head.weight" in tensors and tensors["lm_head.weight"].dtype == torch.float16
+    record = json.loads((out / "qcompile_export.json").read_text())
+    assert record["schemes"]["model.layers.0.mlp.down_proj"] == "pack-quantized" and record["files"] == ["model.safetensors"]
+
+
+def test_hf_config_round_trips_and_tokenizer_is_written(int4):
+    artifact, out = int4
+    config = json.loads((out / "config.json").read_text())
+    assert ModelConfig.from_hf(config) == load_artifact(artifact).model.config
+    assert config["dtype"] == "float16" and config["architectures"] == ["LlamaForCausalLM"]
+    assert (out / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("overrides", [
+    {"architecture": "Qwen2ForCausalLM", "qkv_bias": True, "tie_embeddings": True},
+    {"architecture": "MistralForCausalLM", "sliding_window": 64},
+    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 128}, "rope_theta": 500000.0, "max_seq_len": 512},
+    {"qkv_bias": True, "o_bias": True, "mlp_bias": True, "eos_token_id": [2, 3]},
+])
+def test_hf_config_of_each_architecture_round_trips(overrides):
+    config = ModelConfig(**{**dict(architecture="LlamaForCausalLM", vocab_size=320, dim=64, n_layers=2, n_heads=2,
+                                   n_kv_heads=1, intermediate_size=96, bos_token_id=1, eos_token_id=2), **overrides})
+    assert ModelConfig.from_hf(hf_config(config, "float32")) == config
+
+
+def test_fp8_checkpoint_holds_the_artifacts_codes_and_kv_scales(checkpoint, tmp_path):
+    artifact = compile_for(checkpoint, FP8, tmp_path / "artifact")
+    out = lower(artifact, "vllm", tmp_path / "vllm")
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    (group,) = q["config_groups"].values()
+    assert group["format"] == q["format"] == "float-quantized"
+    assert group["weights"] | {} == {**group["weights"], "type": "float", "num_bits": 8, "strategy": "channel"}
+    assert group["input_activations"]["strategy"] == "token" and group["input_activations"]["dynamic"] is True
+    assert q["kv_cache_scheme"]["strategy"] == "tensor" and q["kv_cache_scheme"]["type"] == "float"
+    tensors = read_tensors(out)
+    loaded = load_artifact(artifact)
+    for name, module in quantized_modules(loaded.model).items():
+        assert torch.equal(tensors[f"model.{name}.weight"].view(torch.uint8), module.weight.view(torch.uint8))
+        scale = tensors[f"model.{name}.weight_scale"]
+        assert scale.dtype == torch.float32 and torch.equal(scale, module.weight_scale[:, None])
+    kv = loaded.manifest["kv_cache"]
+    for i in range(2):
+        assert tensors[f"model.layers.{i}.self_attn.k_scale"].tolist() == [kv["k_scale"][i]]
+        assert tensors[f"model.layers.{i}.self_attn.v_scale"].tolist() == [kv["v_scale"][i]]
+
+
+@pytest.mark.parametrize("activations, fmt, input_scale", [("static", "float-quantized", True),
+                                                          ("none", "naive-quantized", False)])
+def test_fp8_static_and_weight_only(checkpoint, tmp_path, activations, fmt, input_scale):
+    pipeline = {"passes": [{"name": "fp8", "input_shift": False, "activation_scheme": activations, "max_layer_error": 10.0}]}
+    out = lower(compile_for(checkpoint, pipeline, tmp_path / "artifact"), "vllm", tmp_path / "vllm")
+    (group,) = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"].values()
+    assert group["format"] == fmt
+    assert (group["input_activations"] is not None) == input_scale
+    assert ("model.layers.0.self_attn.q_proj.input_scale" in read_tensors(out)) == input_scale
+
+
+def test_float_artifact_exports_without_quantization_config(checkpoint, tmp_path):
+    out = lower(compile_for(checkpoint, {}, tmp_path / "artifact"), "vllm", tmp_path / "vllm")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert "model.layers.0.self_attn.q_proj.weight" in read_tensors(out)
+
+
+def test_shards_and_index(tmp_path):
+    tensors = {f"t{i}": torch.zeros(256, dtype=torch.float32) for i in range(5)}  # 1 KiB each
+    assert [list(s) for s in _shards(tensors, 2048)] == [["t0", "t1"], ["t2", "t3"], ["t4"]]
+    files = write_shards(tmp_path, tensors, 2048)
+    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["t4"] == files[2] and index["metadata"]["total_size"] == 5 * 1024
+    assert set(read_tensors(tmp_path)) == set(tensors)
+
+
+# Pipelines the vllm target refuses before any work, and the words the one-line error must hold.
+REFUSED = [
+    ({"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 64, "group_size_policy": "pad"}]},
+     'group_size_policy = "fallback"'),
+    ({"passes": [{"name": "awq", "group_size": 64}]}, 'dtype = "float16"'),
+    ({"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 64, "modules_to_not_convert": []}]},
+     "lm_head"),
+    ({"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 64,
+                                                  "modules_to_not_convert": ["lm_head", "layers.1.self_attn.k_proj"]}]},
+     "fused layer"),
+    ({"passes": [{"name": "fp8"}]}, "input_shift = false"),
+    ({"passes": [{"name": "fp8", "input_shift": False, "outlier_channels": 4}]}, "outlier_channels = 0"),
+    ({"passes": [{"name": "fp8", "input_shift": False, "activation_group_size": 32}]}, "activation_group_size = 0"),
+    ({"passes": [{"name": "fp8", "input_shift": False, "weight_dtype": "float8_e5m2"}]}, 'weight_dtype = "float8_e4m3fn"'),
+    ({"passes": [{"name": "fp8", "input_shift": False, "activation_dtype": "float8_e5m2"}]}, "activation_dtype"),
+    ({"passes": [{"name": "fp8", "input_shift": False, "granularity": "per_tensor"}]}, 'granularity = "per_channel"'),
+    ({"passes": [{"name": "fp8", "input_shift": False, "kv_cache_dtype": "float8_e4m3fn"}]},
+     'kv_cache_granularity = "per_tensor"'),
+    ({"passes": [{"name": "fp8", "input_shift": False, "kv_cache_dtype": "float8_e5m2",
+                  "kv_cache_granularity": "per_tensor"}]}, 'kv_cache_dtype = "float8_e4m3fn"'),
+]
+
+
+@pytest.mark.parametrize("pipeline, words", REFUSED, ids=[w for _, w in REFUSED])
+def test_pipeline_for_vllm_is_refused_before_any_work(checkpoint, tmp_path, monkeypatch, pipeline, words):
+    from compiler.pipeline import PASSES
+
+    ran = []
+    for cls in PASSES.values():
+        monkeypatch.setattr(cls, "run", lambda self, *a, **k: ran.append(self.name))
+    with pytest.raises(PipelineValidationError) as e:
+        compile_for(checkpoint, pipeline, tmp_path / "artifact")
+    message = str(e.value)
+    assert words in message and "target 'vllm' cannot run" in message and "\n" not in message
+    assert ran == [] and not (tmp_path / "artifact").exists()
+
+
+@pytest.mark.parametrize("pipeline, words", [
+    ({"passes": [{"name": "fp8", "max_layer_error": 10.0}]}, "input_shift = false"),
+    ({"passes": [{"name": "awq", "group_size": 64}]}, 'dtype = "float16"'),
+    ({"passes": [{"name": "fp8", "input_shift": False, "kv_cache_dtype": "float8_e4m3fn", "max_layer_error": 10.0}]},
+     "per_head"),
+])
+def test_lower_refuses_an_existing_artifact_before_writing(checkpoint, tmp_path, pipeline, words):
+    artifact = compile_for(checkpoint, pipeline, tmp_path / "artifact", target=None)
+    with pytest.raises(ConfigError, match=words):
+        lower(artifact, "vllm", tmp_path / "vllm")
+    assert not (tmp_path / "vllm").exists()
+
+
+def test_fused_sets_must_share_one_scheme():
+    int4 = {"format": "int4", "group_size": 64, "zero_point": True, "in_features": 64, "padded_in_features": 64}
+    same = {f"layers.0.self_attn.{p}_proj": dict(int4, out_features=o) for p, o in (("q", 64), ("k", 32), ("v", 32))}
+    assert check_fused(same) is None
+    assert check_fused({**same, "layers.0.mlp.down_proj": dict(int4, group_size=32)}) is None  # not fused
+    mixed = {**same, "layers.0.self_attn.v_proj": dict(int4, group_size=32, out_features=32)}
+    assert "layers.0: q_proj int4 g64, k_proj int4 g64, v_proj int4 g32; vLLM runs q_proj/k_proj/v_proj" in check_fused(mixed)
+    half = {"layers.3.mlp.gate_proj": int4}
+    assert "layers.3: gate_proj int4 g64, up_proj float" in check_fused(half)
