@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from artifact_helpers import rewrite_manifest
 
 import backends  # noqa: F401  (registers the triton target and lowering)
 from backends.triton.lower import (
@@ -85,7 +86,7 @@ def test_target_constraints(fmt, ok):
 def test_lowering_refuses_formats_the_target_cannot_run(artifact, tmp_path):
     manifest = json.loads((artifact / "manifest.json").read_text())
     manifest["modules"] = {"layers.0.mlp.up_proj": {"format": "int4", "group_size": 48}}
-    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_manifest(artifact, manifest)
     with pytest.raises(ConfigError, match="group size 48"):
         lower_triton(artifact, tmp_path / "repo")
     assert not (tmp_path / "repo").exists()
