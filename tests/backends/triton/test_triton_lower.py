@@ -101,7 +101,7 @@ def test_bad_lower_options(artifact, tmp_path, options, match):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", "from qcompile.cli import main; main()", *args], capture_output=True,
-                          text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                          text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=300)
 
 
 def test_cli_errors_are_one_line(artifact, tmp_path):
@@ -131,5 +131,5 @@ def test_prepared_server_venv_has_numpy_1_and_the_project_env():
 
     home = prepare_runtime()
     out = subprocess.run([str(home / "venv" / "bin" / "python"), "-c", "import numpy, torch; print(numpy.__version__)"],
-                         capture_output=True, text=True, check=True).stdout
+                         capture_output=True, text=True, check=True, timeout=300).stdout
     assert out.strip().startswith("1.26")
