@@ -18,6 +18,10 @@ One run, in four parts, all on fresh random inputs:
    host's launch overhead is left out, as under a serving engine's graphs), plus eager timings of
    the layers as a model calls them; on Llama-8B and SmolLM2 shapes.
 
+Every correctness figure of parts 1-3 has a bound (``BOUNDS``, ``out_of_bounds``): after all parts
+have run and the JSON is written, a figure out of its bound, or a part that raised, fails the run
+(exit 1, each failed check named on stderr).
+
     python benchmarks/gpu_kernels.py --json gpu_kernels.json
     TRITON_INTERPRET=1 python benchmarks/gpu_kernels.py --smoke   # CPU dry run of parts 1-3
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -58,7 +63,61 @@ W4_CONFIGS = [
 LLAMA8B = [("q/o 4096→4096", 4096, 4096), ("gate/up 4096→14336", 4096, 14336), ("down 14336→4096", 14336, 4096)]
 SMOLLM2 = [("gate/up 576→1536", 576, 1536), ("down 1536→576", 1536, 576)]
 
+# Bounds of the correctness figures, per device ("cpu": the --smoke run in Triton's interpreter).
+# Relative errors against the float32/float64 torch reference; True: must hold. On CUDA they leave
+# 2-4x headroom over the H200 run (docs/data/gpu_kernels_h200.json): FP8 GEMM 4.1e-4..4.4e-3 (Hopper's
+# FP8 accumulation; K up to 14336), precise_acc <= 4.0e-4, _scaled_mm <= 1.8e-3 (bf16 output);
+# W4A16 float16 <= 2.2e-4, bfloat16 <= 1.7e-3 (the weight rounded to the activations' dtype).
+BOUNDS = {
+    "cuda": {
+        "fp8_correctness": {"triton": 1e-2, "triton_group": 1e-2, "triton_precise_acc_False": 1e-2,
+                            "triton_precise_acc_True": 1e-3, "scaled_mm": 5e-3,
+                            "cast_codes_equal_cpu": True, "cast_scales_equal_cpu": True},
+        "w4a16_correctness": {"torch.float16": 1e-3, "torch.bfloat16": 6e-3, "dequant_kernel_bitwise": True},
+    },
+    "cpu": {
+        "fp8_correctness": {"triton": 1e-5, "triton_group": 1e-5},
+        "w4a16_correctness": {"torch.float32": 1e-5},
+    },
+}
+INT4_MODEL_BOUND = 1e-2  # INT4 model logits, GPU against CPU (H200: 1.5e-3)
+# FP8 model logits, GPU against CPU: within this factor of the CPU model's own spread when each FP8 GEMM
+# output is perturbed by 1e-3 (H200: 1.03x; FP8 activation rounding turns tiny differences into whole steps).
+FP8_MODEL_SPREAD_FACTOR = 2.0
 
+
+def out_of_bounds(results: dict, device: str) -> list[str]:
+    """Every correctness check of ``results`` that is out of its bound (or did not run), named."""
+    bounds = BOUNDS[device]
+    failed = []
+
+    def check(part: str, row: dict, key: str, value, bound) -> None:
+        ok = value is True if bound is True else isinstance(value, float) and value <= bound  # NaN fails too
+        if not ok:
+            label = {k: row[k] for k in ("shape", "per_tensor", "bias", "group", "dtype", "format", "tokens") if k in row}
+            failed.append(f"{part} {label}: {key} = {value} (bound {bound})")
+
+    for part in ("fp8_correctness", "w4a16_correctness", "model_correctness"):
+        rows = results.get(part)
+        if not isinstance(rows, list):
+            failed.append(f"{part}: did not run ({rows})")
+            continue
+        for row in rows:
+            if part == "fp8_correctness":
+                for key, bound in bounds[part].items():
+                    if key in row:
+                        check(part, row, key, row[key], bound)
+            elif part == "w4a16_correctness":
+                for key in ("rel", "int4linear_rel"):
+                    check(part, row, key, row[key], bounds[part][row["dtype"]])
+                if "dequant_kernel_bitwise" in bounds[part]:
+                    check(part, row, "dequant_kernel_bitwise", row.get("dequant_kernel_bitwise"), True)
+            elif row["format"] == "int4":
+                check(part, row, "rel_gpu_vs_cpu", row["rel_gpu_vs_cpu"], INT4_MODEL_BOUND)
+            else:
+                spread = row["cpu_spread_at_1e-3"]
+                check(part, row, "rel_gpu_vs_cpu", row["rel_gpu_vs_cpu"], max(FP8_MODEL_SPREAD_FACTOR * spread, 1e-5))
+    return failed
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -328,9 +387,15 @@ def main() -> None:
     for name, run in parts:
         results[name] = attempt(run)
         print(name, json.dumps(results[name])[:3000], f"({time.time() - start:.0f} s)", flush=True)
+        if name == "model_correctness":  # the correctness parts are done: check them before the timings
+            results["failed_checks"] = out_of_bounds(results, device.type)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
+    for failure in results["failed_checks"]:
+        print(f"FAILED {failure}", file=sys.stderr)
+    if results["failed_checks"]:
+        raise SystemExit(f"{len(results['failed_checks'])} correctness check(s) out of bound (see above)")
 
 
 if __name__ == "__main__":

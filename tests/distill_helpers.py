@@ -34,3 +34,9 @@ def int4_copy(model: Transformer, group_size: int = 32) -> Transformer:
 
 def random_sequences(n: int = 16, seq_len: int = 16, vocab: int = 64, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, vocab, (n, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest |a[k] - b[k]| over every tensor of two state dicts. A NaN anywhere gives NaN, which
+    fails every bound (Python's ``max()`` over floats keeps a NaN only when it comes first)."""
+    return torch.stack([(a[k].double() - b[k].double()).abs().max() for k in a]).max().item()

@@ -1,6 +1,9 @@
 """``qcompile lower --target ascend``: ATC-ready ONNX, msModelSlim weights, build_om.sh, the .om.
 
 Order matters:
+  0. refuse what the .om would not run as the artifact declares it: an FP8 KV cache (ATC compiles
+     the graphs at fp16 precision, so the exact FP8 rounding the ONNX graphs carry would not
+     survive it), a manifest entry this lowering does not know, a serving plan's other KV dtype;
   1. build the fp16 graphs in memory (static batch 1; prefill length as ATC gears; every
      quantized layer as a MatMul of its dequantized weight, since ATC takes no MatMulNBits);
   2. check every node against ATC's operator table — before anything is written;
@@ -28,8 +31,11 @@ from backends.onnx.export import (
     OnnxExportOptions,
     bundle_info,
     export_graphs,
+    lowered_entries,
     write_bundle_files,
 )
+from backends.onnx.graph import kv_cache_export
+from compiler.errors import ConfigError
 from compiler.formats.int4 import Int4Linear
 from compiler.formats.qlinear import quantized_modules
 from compiler.io.atomic import atomic_directory_write
@@ -46,10 +52,20 @@ class AscendLowerResult:
     msmodelslim: bool = False
 
 
+def refuse_fp8_kv_cache(loaded: LoadedModel) -> None:
+    """The .om keeps K/V in fp16: an artifact whose K/V are rounded through FP8 cannot be lowered as it is."""
+    if kv_cache_export(loaded.model) is not None or (loaded.manifest or {}).get("kv_cache"):
+        raise ConfigError(f"{loaded.source.path}: the artifact has an FP8 KV cache, which the Ascend lowering does not "
+                          "lower (ATC builds the graphs at fp16 precision, so FP8 rounding of K/V would not be exact); "
+                          "lower it to onnx or triton, or compile it without kv_cache_dtype for Ascend")
+
+
 def lower_ascend(loaded: LoadedModel, out: str | Path, atc_opts: AtcOptions, max_len: int = 1024,
                  atc: str | None = None, force: bool = False) -> AscendLowerResult:
     """Lower ``loaded`` for Ascend; raises AtcNotFound (after writing the bundle) without ATC."""
     out = Path(out)
+    refuse_fp8_kv_cache(loaded)
+    lowered_entries(loaded, "ascend", {"float16"})
     atc_opts.validate(max_len)
     atc_path = find_atc(atc)
     export = OnnxExportOptions(max_len=max_len, dtype="float16", batch=1, dequantize=True)

@@ -3,6 +3,11 @@
 Both graphs reference one external-data file: the prefill graph is saved first with its
 weights moved to ``weights.data``, and the decode graph's weight initializers are replaced by
 the prefill's external references (same names, same offsets), so the weights are on disk once.
+
+Every entry a pass declared in the artifact's manifest is either lowered or refused before
+anything is written (``lowered_entries``): the FP8 KV cache is rounded in the graphs; the serving
+plan's paging settings do not apply to the bundle's contiguous cache, but a KV dtype it would
+round K/V to and the bundle cannot hold is refused; anything else is refused.
 """
 from __future__ import annotations
 
@@ -13,10 +18,11 @@ import onnx
 import torch
 
 from backends.onnx.bundle import DECODE_FILE, PREFILL_FILE, WEIGHTS_FILE, OnnxBundleInfo
-from backends.onnx.graph import GraphSpec, build_graph
+from backends.onnx.graph import GraphSpec, build_graph, kv_cache_export
 from compiler.errors import ConfigError
 from compiler.formats.int4 import Int4Linear
 from compiler.formats.qlinear import quantized_modules
+from compiler.io.artifact import check_lowered_entries
 from compiler.io.atomic import atomic_directory_write
 from compiler.io.types import LoadedModel
 from compiler.model.transformer import Transformer
@@ -27,6 +33,8 @@ EXTERNAL_THRESHOLD = 1024  # bytes: tensors above this go to weights.data
 # norms and GeGLU, per-layer windows and RoPE bases) and the MoE architectures (routers, experts)
 # would export as a wrong graph, so they are refused here.
 LOWERABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# The manifest entries (beyond the artifact's own, compiler.io.artifact.CORE_KEYS) an ONNX bundle lowers.
+LOWERED_ENTRIES = frozenset({"kv_cache", "serving"})
 
 
 @dataclass(frozen=True)
@@ -50,7 +58,8 @@ class OnnxExportOptions:
 
 
 def layer_exports(model: Transformer, dequantize: bool) -> dict[str, str]:
-    """How each quantized module is exported (the report lists these; float layers stay float)."""
+    """How each quantized module, and an FP8 KV cache (``layers.i.self_attn.kv_cache``), is
+    exported (the report lists these; float layers and a float cache stay float)."""
     out = {}
     for name, m in quantized_modules(model).items():
         if isinstance(m, Int4Linear) and not dequantize:
@@ -62,7 +71,27 @@ def layer_exports(model: Transformer, dequantize: bool) -> dict[str, str]:
             if m.quantizes_activations:
                 how += ", float activations (the artifact's activation quantization is not exported)"
             out[name] = how
+    kv = kv_cache_export(model)
+    if kv is not None:
+        out.update({f"layers.{i}.self_attn.kv_cache": kv for i in range(len(model.layers))})
     return out
+
+
+def lowered_entries(loaded: LoadedModel, target: str, cache_dtypes: set[str]) -> None:
+    """Refuse, before anything is written, a manifest entry the bundle would not honour: one this
+    lowering does not know, or a serving plan whose KV dtype is none of ``cache_dtypes`` (what the
+    bundle's cache holds) nor the FP8 cache the graphs round K/V through."""
+    manifest = loaded.manifest
+    if manifest is None:  # a checkpoint, not an artifact: nothing was declared
+        return
+    where = loaded.source.path
+    check_lowered_entries(manifest, target, LOWERED_ENTRIES, where)
+    kv_dtype = (manifest.get("serving") or {}).get("kv_dtype", "auto")
+    fp8 = (manifest.get("kv_cache") or {}).get("dtype")
+    if kv_dtype not in cache_dtypes | {"auto", manifest.get("dtype"), fp8} - {None}:
+        raise ConfigError(f"{where}: its serving plan stores K/V as {kv_dtype}, which the {target} bundle's cache "
+                          f"does not ({', '.join(sorted(cache_dtypes))}); serve it with the engine or Triton, "
+                          "or compile with kv_dtype = \"auto\"")
 
 
 def export_graphs(model: Transformer, opts: OnnxExportOptions) -> tuple[onnx.ModelProto, onnx.ModelProto]:
@@ -118,6 +147,7 @@ def default_dtype(model: Transformer) -> str:
 
 def export_onnx(loaded: LoadedModel, out: str | Path, opts: OnnxExportOptions, force: bool = False) -> OnnxBundleInfo:
     """Lower ``loaded`` to an ONNX Runtime bundle in ``out`` (written atomically)."""
+    lowered_entries(loaded, "onnx", {opts.dtype})
     graphs = export_graphs(loaded.model, opts)
     info = bundle_info(loaded, opts, "onnx")
     atomic_directory_write(Path(out), lambda tmp: write_bundle_files(tmp, loaded, graphs, info), force)

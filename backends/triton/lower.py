@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from compiler.deploy.targets import check_formats
-from compiler.io.artifact import read_manifest
+from compiler.io.artifact import check_lowered_entries, read_manifest
 from compiler.io.atomic import atomic_directory_write
 from compiler.options import option
 
@@ -58,6 +58,9 @@ OUTPUTS = [
     ("token_ids", "TYPE_INT32", [-1]),
     ("finish_reason", "TYPE_STRING", [-1]),
 ]
+# The manifest entries (beyond compiler.io.artifact.CORE_KEYS) the served engine reads and runs as
+# declared: the FP8 KV cache (its paged cache stores FP8 with these scales) and the serving plan.
+LOWERED_ENTRIES = frozenset({"kv_cache", "serving"})
 # Kernels the engine runs per weight format on CUDA hosts (recorded, and checked at load).
 CUDA_KERNELS = {"int4": "w4a16_int4_gemm", "fp8": "fp8_gemm"}
 
@@ -143,6 +146,7 @@ def lower_triton(artifact: str | Path, out: str | Path, opts: LowerOptions = Low
     artifact = Path(artifact)
     manifest = read_manifest(artifact)
     check_formats("triton", manifest.get("modules", {}), str(artifact))
+    check_lowered_entries(manifest, "triton", LOWERED_ENTRIES, str(artifact))
     name = opts.name or re.sub(r"[^A-Za-z0-9_.-]", "_", artifact.resolve().name)
 
     def write(tmp: Path):

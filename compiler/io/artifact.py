@@ -8,8 +8,13 @@
       tokenizer files     as the tokenizer saves them
 
 Written atomically (a hidden temp directory beside OUT, fsync, rename), so an interrupted
-compile never leaves a directory that looks complete. Loading checks the schema version and
-every tensor's checksum: a corrupt or truncated artifact is an error, never wrong outputs.
+compile never leaves a directory that looks complete.
+
+Integrity: the manifest lists every tensor's SHA-256, and the weights file's safetensors metadata
+holds the SHA-256 of the manifest's content (its canonical JSON: sorted keys, no whitespace), so
+the two vouch for each other. Reading the manifest checks its checksum; loading checks the schema
+version, every tensor's name, dtype, shape and checksum, and the tokenizer the manifest promises.
+A corrupt, truncated or edited artifact is a one-line ``ArtifactError``, never wrong outputs.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import torch
 
 import compiler.formats.fp8  # noqa: F401  (registers the fp8 weight format)
 import compiler.formats.int4  # noqa: F401  (registers the int4 weight format)
-from compiler.errors import ArtifactError
+from compiler.errors import ArtifactError, ConfigError
 from compiler.formats.fp8_kv import install_kv_quant
 from compiler.formats.qlinear import format_class, quantized_modules
 from compiler.io.atomic import atomic_directory_write
@@ -34,10 +39,23 @@ from compiler.model.transformer import Transformer, rope_inv_freq
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
+MANIFEST_SHA_KEY = "qcompile_manifest_sha256"  # in the weights file's safetensors metadata
+# What save_artifact itself writes; every other top-level key is an entry a pass declared
+# (``PassContext.manifest_extras``: the FP8 KV cache, the serving plan, ...), which each lowering
+# must either lower or refuse (``check_lowered_entries``).
+CORE_KEYS = frozenset({"schema_version", "created", "source", "model_config", "dtype", "pipeline", "passes",
+                       "modules", "tensors", "aliases", "tokenizer"})
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def manifest_sha256(manifest: dict) -> str:
+    """SHA-256 of the manifest's content: its canonical JSON (sorted keys, no whitespace), so
+    re-indenting the file changes nothing and any edit of a value does."""
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def _dedupe_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -77,11 +95,14 @@ def save_artifact(out: str | Path, model: Transformer, tokenizer: Any, source: S
         **(extras or {}),
     }
 
+    text = json.dumps(manifest, indent=1)
+    digest = manifest_sha256(json.loads(text))  # of the content as a reader will parse it
+
     def write(tmp: Path):
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", MANIFEST_SHA_KEY: digest})
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        (tmp / MANIFEST).write_text(text)
 
     out = Path(out)
     atomic_directory_write(out, write, force)
@@ -89,6 +110,7 @@ def save_artifact(out: str | Path, model: Transformer, tokenizer: Any, source: S
 
 
 def read_manifest(path: str | Path) -> dict:
+    """The manifest of artifact ``path``, checked against the checksum its weights file holds."""
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
@@ -96,13 +118,41 @@ def read_manifest(path: str | Path) -> dict:
         raise ArtifactError(f"{path}: no {MANIFEST}; not a qcompile artifact (compile one with 'qcompile compile')") from None
     except json.JSONDecodeError as e:
         raise ArtifactError(f"{path / MANIFEST}: corrupt ({e}); recompile the artifact") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path / MANIFEST}: not a JSON object; recompile the artifact")
     version = manifest.get("schema_version")
     if version != SCHEMA_VERSION:
         raise ArtifactError(f"{path}: artifact schema version {version}, this qcompile reads {SCHEMA_VERSION}; recompile it")
+    expected = _weights_metadata(path).get(MANIFEST_SHA_KEY)
+    if expected is None:
+        raise ArtifactError(f"{path}: {WEIGHTS} holds no manifest checksum (written by an older qcompile, or "
+                            "not by qcompile); recompile the artifact")
+    if manifest_sha256(manifest) != expected:
+        raise ArtifactError(f"{path}: {MANIFEST} does not match the checksum its weights file holds (edited or "
+                            "corrupt); recompile the artifact rather than editing it")
     return manifest
 
 
+def _weights_metadata(path: Path) -> dict[str, str]:
+    """The weights file's safetensors metadata (its header only; the tensors are not read)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not (path / WEIGHTS).is_file():
+        raise ArtifactError(f"{path}: no {WEIGHTS}; the artifact is incomplete, recompile it")
+    try:
+        with safe_open(str(path / WEIGHTS), framework="pt") as f:
+            return f.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise ArtifactError(f"{path / WEIGHTS}: unreadable ({_first_line(e)}); the artifact is corrupt or truncated, "
+                            "recompile it") from None
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def _read_tensors(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
+    """Every tensor the manifest lists, each checked for dtype, shape and SHA-256."""
     from safetensors import SafetensorError, safe_open
 
     expected = manifest["tensors"]
@@ -110,40 +160,58 @@ def _read_tensors(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(path / WEIGHTS), framework="pt") as f:
             keys = set(f.keys())
-            if keys != set(expected):
-                missing = sorted(set(expected) - keys)[:3]
-                raise ArtifactError(f"{path}: weights do not match the manifest (missing {missing}); the artifact is corrupt, recompile it")
-            for name in expected:
+            missing, extra = sorted(set(expected) - keys), sorted(keys - set(expected))
+            if missing or extra:
+                what = "; ".join(f"{label} {names[:3]}{f' (+{len(names) - 3} more)' if len(names) > 3 else ''}"
+                                 for label, names in (("missing", missing), ("not in the manifest", extra)) if names)
+                raise ArtifactError(f"{path}: weights do not match the manifest ({what}); the artifact is corrupt, recompile it")
+            for name, meta in expected.items():
                 t = f.get_tensor(name)
-                if tensor_sha256(t) != expected[name]["sha256"]:
+                got = (str(t.dtype).removeprefix("torch."), list(t.shape))
+                if got != (meta["dtype"], list(meta["shape"])):
+                    raise ArtifactError(f"{path}: tensor {name} is {got[0]} {got[1]}, the manifest says {meta['dtype']} "
+                                        f"{meta['shape']}; the artifact is corrupt, recompile it")
+                if tensor_sha256(t) != meta["sha256"]:
                     raise ArtifactError(f"{path}: tensor {name} fails its checksum; the artifact is corrupt, recompile it")
                 state[name] = t
     except (SafetensorError, OSError) as e:
-        raise ArtifactError(f"{path / WEIGHTS}: unreadable ({e}); the artifact is corrupt or truncated, recompile it") from None
+        raise ArtifactError(f"{path / WEIGHTS}: unreadable ({_first_line(e)}); the artifact is corrupt or truncated, "
+                            "recompile it") from None
     return state
 
 
-def build_from_manifest(manifest: dict, state: dict[str, torch.Tensor]) -> Transformer:
+def build_from_manifest(manifest: dict, state: dict[str, torch.Tensor], where: str = "artifact") -> Transformer:
+    """The model the manifest describes, with ``state``'s tensors assigned (``where`` names it in errors)."""
     config = ModelConfig.from_dict(manifest["model_config"])
     with torch.device("meta"):
         model = Transformer(config)
     dtype = getattr(torch, manifest["dtype"])
     for name, meta in manifest["modules"].items():
-        linear = model.get_submodule(name)
+        try:
+            linear = model.get_submodule(name)
+            cls = format_class(meta["format"])
+        except AttributeError:
+            raise ArtifactError(f"{where}: the manifest converts module {name!r}, which its model config does not "
+                                "have; recompile the artifact") from None
+        except ArtifactError as e:
+            raise ArtifactError(f"{where}: {e}") from None
         with torch.device("meta"):
-            q = format_class(meta["format"]).empty(meta, linear.in_features, linear.out_features, linear.bias is not None, dtype)
+            q = cls.empty(meta, linear.in_features, linear.out_features, linear.bias is not None, dtype)
         model.set_submodule(name, q)
     for alias, target in manifest.get("aliases", {}).items():
         state[alias] = state[target]
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:
-        raise ArtifactError(f"artifact tensors do not fit its model config ({str(e).splitlines()[0]}); recompile it") from None
+        raise ArtifactError(f"{where}: tensors do not fit its model config ({_first_line(e)}); recompile it") from None
     if config.tie_embeddings and "lm_head.weight" in manifest.get("aliases", {}):
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config)
     if manifest.get("kv_cache"):
-        install_kv_quant(model, manifest["kv_cache"])
+        try:
+            install_kv_quant(model, manifest["kv_cache"])
+        except ArtifactError as e:
+            raise ArtifactError(f"{where}: {e}") from None
     return model.eval()
 
 
@@ -151,7 +219,22 @@ def load_artifact(path: str | Path) -> LoadedModel:
     """The runnable model (``forward(input_ids[B, T]) -> logits[B, T, V]``) and tokenizer of an artifact."""
     path = Path(path)
     manifest = read_manifest(path)
-    model = build_from_manifest(manifest, _read_tensors(path, manifest))
-    tokenizer = load_tokenizer(path) if manifest.get("tokenizer") else None
+    model = build_from_manifest(manifest, _read_tensors(path, manifest), str(path))
+    tokenizer = None
+    if manifest.get("tokenizer"):
+        tokenizer = load_tokenizer(path)
+        if tokenizer is None:
+            raise ArtifactError(f"{path}: the manifest lists a tokenizer but the artifact holds no tokenizer files; "
+                                "copy the whole artifact directory, or recompile it")
     source = SourceInfo(str(path.resolve()), "artifact", sha256_files([path / MANIFEST]), (path / WEIGHTS).stat().st_size)
     return LoadedModel(model, tokenizer, source, manifest)
+
+
+def check_lowered_entries(manifest: dict, target: str, lowered: set[str] | frozenset[str], where: str) -> None:
+    """Refuse an artifact that declares a manifest entry (one a pass added, beyond ``CORE_KEYS``)
+    that ``target``'s lowering does not handle, so no later pass's format is dropped silently."""
+    unknown = sorted(set(manifest) - CORE_KEYS - set(lowered))
+    if unknown:
+        raise ConfigError(f"{where}: the artifact declares {', '.join(map(repr, unknown))}, which the {target} "
+                            f"lowering does not know (it lowers {', '.join(sorted(lowered)) or 'no pass entries'}); "
+                            "lower to another target or compile without the pass that wrote it")

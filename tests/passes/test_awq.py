@@ -237,7 +237,7 @@ def test_cli_prints_one_line_error_for_error_policy(tiny_checkpoint_with_tokeniz
     cfg.write_text('[[passes]]\nname = "awq"\ngroup_size = 64\ngroup_size_policy = "error"\n')
     proc = subprocess.run([sys.executable, "-c", "from qcompile.cli import main; main()", "compile", str(path),
                            "-c", str(cfg), "-o", str(tmp_path / "out")], capture_output=True, text=True,
-                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "COLUMNS": "400"})
+                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "COLUMNS": "400"}, timeout=300)
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr

@@ -280,7 +280,7 @@ def test_cli_reports_bad_fp8_option_in_one_line(tmp_path, tiny_checkpoint):
     bad = tmp_path / "bad.toml"
     bad.write_text('[[passes]]\nname = "fp8"\nweight_dtype = "float8_e4m3"\n')
     proc = subprocess.run([sys.executable, "-c", "from qcompile.cli import main; main()", "compile", str(path),
-                           "-c", str(bad), "-o", str(tmp_path / "out")], capture_output=True, text=True)
+                           "-c", str(bad), "-o", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "weight_dtype" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()

@@ -202,7 +202,9 @@ def test_ctrl_c_stops_cleanly_and_writes_what_was_measured(fake_target, tmp_path
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (tmp_path / "started").exists():  # imports and the workload take a while on a busy machine
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        if proc.poll() is not None or time.monotonic() >= deadline:
+            proc.kill()
+            pytest.fail(f"bench did not start in time: {proc.communicate(timeout=60)}")
         time.sleep(0.2)
     time.sleep(2)  # requests of ~0.2 s each
     proc.send_signal(signal.SIGINT)

@@ -7,7 +7,8 @@ import pytest
 
 
 def qcompile(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "qcompile", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "qcompile", *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          timeout=600)
 
 
 @pytest.fixture

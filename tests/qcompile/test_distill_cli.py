@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distill_helpers import int4_copy
+from distill_helpers import int4_copy, max_difference
 
 from compiler.formats.int4 import Int4Linear
 from compiler.io.artifact import load_artifact, save_artifact
@@ -94,7 +94,7 @@ def test_two_process_gloo_ddp_equals_one_process(teacher_dir, tmp_path, shard):
     assert ddp.returncode == 0, ddp.stderr[-2000:]
     a = load_artifact(tmp_path / "single" / "student").model.state_dict()
     b = load_artifact(tmp_path / "ddp" / "student").model.state_dict()
-    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    diff = max_difference(a, b)
     assert diff <= 1e-5, f"DDP differs from one process by {diff}"
     assert not torch.equal(a["layers.0.mlp.up_proj.weight"], load_checkpoint(teacher_dir).model.state_dict()["layers.1.mlp.up_proj.weight"])
 

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from artifact_helpers import rewrite_manifest
 
 from compiler.io.load import load_checkpoint
 from compiler.model.kv_cache import ContiguousKVCache
@@ -234,7 +235,7 @@ def test_artifact_plan_and_fp8_kv_cache(tiny_checkpoint, tmp_path):
     manifest["kv_cache"] = {"dtype": "float8_e4m3fn", "granularity": "per_head",
                             "k_scale": [[0.02, 0.03], [0.025, 0.025]], "v_scale": [[0.01, 0.01], [0.012, 0.012]]}
     manifest["serving"]["kv_dtype"] = "auto"
-    (art / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_manifest(art, manifest)
     fp8 = Engine.from_artifact(art, "cpu")
     assert fp8.cache.k[0].dtype == torch.float8_e4m3fn
     k_scales = [torch.tensor([0.02, 0.03]), torch.tensor([0.025, 0.025])]
@@ -283,7 +284,7 @@ def test_fp8_kv_without_scales_is_refused(tiny_checkpoint, tmp_path):
     art = _compile(path, tmp_path / "b", [])
     manifest = json.loads((art / "manifest.json").read_text())
     manifest["kv_cache"] = {"dtype": "float8_e4m3fn", "granularity": "per_tensor", "k_scale": [0.1], "v_scale": [0.1, 0.1]}
-    (art / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_manifest(art, manifest)
     with pytest.raises(ArtifactError, match="k_scale must hold 2 layers × 1 positive scales"):
         Engine.from_artifact(art, "cpu")
 

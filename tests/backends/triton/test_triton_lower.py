@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from artifact_helpers import rewrite_manifest
 
 import backends  # noqa: F401  (registers the triton target and lowering)
 from backends.triton.lower import (
@@ -85,7 +86,7 @@ def test_target_constraints(fmt, ok):
 def test_lowering_refuses_formats_the_target_cannot_run(artifact, tmp_path):
     manifest = json.loads((artifact / "manifest.json").read_text())
     manifest["modules"] = {"layers.0.mlp.up_proj": {"format": "int4", "group_size": 48}}
-    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_manifest(artifact, manifest)
     with pytest.raises(ConfigError, match="group size 48"):
         lower_triton(artifact, tmp_path / "repo")
     assert not (tmp_path / "repo").exists()
@@ -100,7 +101,7 @@ def test_bad_lower_options(artifact, tmp_path, options, match):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", "from qcompile.cli import main; main()", *args], capture_output=True,
-                          text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                          text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=300)
 
 
 def test_cli_errors_are_one_line(artifact, tmp_path):
@@ -130,5 +131,5 @@ def test_prepared_server_venv_has_numpy_1_and_the_project_env():
 
     home = prepare_runtime()
     out = subprocess.run([str(home / "venv" / "bin" / "python"), "-c", "import numpy, torch; print(numpy.__version__)"],
-                         capture_output=True, text=True, check=True).stdout
+                         capture_output=True, text=True, check=True, timeout=300).stdout
     assert out.strip().startswith("1.26")

@@ -1,5 +1,13 @@
-"""FP8 primitives, the fp8 format and kernels: saturation, scales, kernels vs the dequantize reference."""
+"""FP8 primitives, the fp8 format and kernels: saturation, scales, kernels vs the dequantize reference.
+
+The Triton kernels run on ``kernel_device``: compiled on a CUDA GPU (FP8 needs compute capability
+8.9 or later), else in Triton's interpreter on the CPU. ``pytest -m gpu`` also runs the CUDA
+dispatch (``fp8_gemm``) and ``Fp8Linear.forward`` on the GPU. Bounds on the relative error against
+the float32 dequantize reference, per device (``GEMM_BOUNDS``):
+"""
 from __future__ import annotations
+
+import zlib
 
 import pytest
 import torch
@@ -19,6 +27,32 @@ from compiler.quant.fp8 import (
 )
 
 DTYPES = list(FP8_DTYPES.values())
+GEMM_BOUNDS = {
+    # The interpreter and torch on the CPU: float32 sums of exact FP8 products.
+    "cpu": 1e-5,
+    # Hopper's FP8 tensor cores accumulate with fewer bits than float32: the H200 run of
+    # benchmarks/gpu_kernels.py measured 4.1e-4..1.0e-3 for K = 576..1536 and up to 4.4e-3 at
+    # K = 14336 (docs/data/gpu_kernels_h200.json); the shapes here have K <= 192.
+    "cuda": 5e-3,
+}
+PRECISE_ACC_BOUNDS = {"cpu": 1e-5, "cuda": 1e-3}  # precise_acc promotes partial sums (H200: <= 4.0e-4)
+
+
+def stable_seed(*parts) -> int:
+    """The same seed in every process (``hash`` of a tuple changes per process with PYTHONHASHSEED)."""
+    return zlib.crc32(repr(parts).encode()) % 10_000
+
+
+@pytest.fixture
+def fp8_device(kernel_device) -> str:
+    """``kernel_device``, where it can run FP8 Triton kernels."""
+    if kernel_device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip(f"FP8 Triton kernels need compute capability 8.9+, this GPU has {torch.cuda.get_device_capability()}")
+    return kernel_device
+
+
+def on(device: str, *tensors):
+    return [None if t is None else t.to(device) for t in tensors]
 
 
 def fp8(lin: nn.Linear, input_scale=None, input_shift=None, outliers=None, **behaviour) -> Fp8Linear:
@@ -82,19 +116,32 @@ def _operands(m, n, k, a_dtype, b_dtype, granularity, seed):
 @pytest.mark.parametrize("dtypes", [(torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e5m2)])
 @pytest.mark.parametrize("granularity", ["per_channel", "per_tensor"])
 @pytest.mark.parametrize("shape", [(5, 24, 40), (70, 130, 96)])
-def test_kernels_match_dequantize_reference(kernel, dtypes, granularity, shape):
+def test_kernels_match_dequantize_reference(kernel, dtypes, granularity, shape, fp8_device):
+    """``scaled_mm`` is the CPU's kernel (on CUDA it needs 16-aligned shapes and is only benchmarked);
+    the Triton kernel runs on ``kernel_device``."""
+    device = fp8_device if kernel == "triton" else "cpu"
+    bound = GEMM_BOUNDS[device]
     m, n, k = shape
-    x, w, xq, xs, wq, ws, bias = _operands(m, n, k, *dtypes, granularity, seed=hash((shape, granularity)) % 1000)
+    x, w, xq, xs, wq, ws, bias = _operands(m, n, k, *dtypes, granularity, seed=stable_seed(shape, granularity))
     ref = dequant_gemm(xq, xs, wq, ws, bias)
-    assert rel_error(FP8_KERNELS[kernel](xq, xs, wq, ws, bias), ref) < 1e-5
+    assert rel_error(FP8_KERNELS[kernel](*on(device, xq, xs, wq, ws, bias)), ref) < bound
     # static (per-tensor) activation scale too, with values saturating at the format's max
     xs_static = torch.tensor([1e4 / torch.finfo(dtypes[0]).max])
     xq_static = quantize(x, xs_static, dtypes[0])
     ref = dequant_gemm(xq_static, xs_static, wq, ws, None)
     assert torch.isfinite(ref).all()
-    assert rel_error(FP8_KERNELS[kernel](xq_static, xs_static, wq, ws, None), ref) < 1e-5
+    assert rel_error(FP8_KERNELS[kernel](*on(device, xq_static, xs_static, wq, ws)), ref) < bound
     # and the reference itself is close to the float product
     assert rel_error(dequant_gemm(xq, xs, wq, ws, bias), x @ w.t() + bias) < 0.1
+
+
+def test_gemm_bounds_catch_a_wrong_scale():
+    """The bounds are far below what one wrong row scale costs (the kernel tests can fail)."""
+    _, _, xq, xs, wq, ws, bias = _operands(70, 96, 130, torch.float8_e4m3fn, torch.float8_e4m3fn, "per_channel", 1)
+    wrong = xs.clone()
+    wrong[3] *= 2  # one token of 70 scaled wrong
+    err = rel_error(dequant_gemm(xq, wrong, wq, ws, bias), dequant_gemm(xq, xs, wq, ws, bias))
+    assert err > 10 * GEMM_BOUNDS["cuda"], err
 
 
 def test_kernel_selection_by_device():
@@ -159,25 +206,26 @@ def test_module_to_dtype_keeps_fp8_codes_and_float32_scales():
 
 
 @pytest.mark.parametrize("precise_acc", [False, True])
-def test_triton_gemm_tile_configs_match_reference(precise_acc):
+def test_triton_gemm_tile_configs_match_reference(precise_acc, fp8_device):
     from compiler.kernels.fp8 import triton_fp8_gemm
 
     _, _, xq, xs, wq, ws, bias = _operands(37, 80, 160, torch.float8_e4m3fn, torch.float8_e4m3fn, "per_channel", 5)
     ref = dequant_gemm(xq, xs, wq, ws, bias)
+    bound = (PRECISE_ACC_BOUNDS if precise_acc else GEMM_BOUNDS)[fp8_device]
     for block_m, block_n, block_k in [(16, 32, 32), (32, 64, 128)]:
         cfg = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": 2,
                "precise_acc": precise_acc}
-        assert rel_error(triton_fp8_gemm(xq, xs, wq, ws, bias, config=cfg), ref) < 1e-5
+        assert rel_error(triton_fp8_gemm(*on(fp8_device, xq, xs, wq, ws, bias), config=cfg), ref) < bound
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, k", [(3, 50), (9, 5000)])  # 5000 > the kernel's 4096-wide chunk
 @pytest.mark.parametrize("shifted", [False, True])
-def test_triton_activation_cast_matches_torch(dtype, rows, k, shifted):
+def test_triton_activation_cast_matches_torch(dtype, rows, k, shifted, fp8_device):
     """Scales bitwise, and the saturated values before rounding, rounded by torch, give torch's codes
     bitwise; with an input shift, those of ``x - shift`` (Fp8Linear's input_shift, fused into the cast).
-    (Triton's interpreter rounds float32 to FP8 in numpy, not exactly to nearest-even;
-    benchmarks/gpu_kernels.py compares the codes a GPU writes with torch's bitwise.)"""
+    On a GPU the codes the kernel writes are torch's bitwise too; Triton's interpreter rounds float32
+    to FP8 in numpy, not exactly to nearest-even, so there only the values before rounding are compared."""
     from compiler.kernels.fp8 import triton_quantize_rows
 
     g = torch.Generator().manual_seed(k)
@@ -187,20 +235,24 @@ def test_triton_activation_cast_matches_torch(dtype, rows, k, shifted):
     x[0] = shift if shifted else 0  # a row all zero (after any shift) gets the minimum scale, not NaN
     centred = x - shift if shifted else x
     static = torch.tensor([1e-3])  # far too small: everything beyond ±max saturates
+    xd, shift_d = on(fp8_device, x, shift)
     for scale, (q_ref, s_ref) in ((None, quantize_per_token(centred, dtype)),
                                   (static, (quantize(centred, static, dtype), static))):
-        pre_rounding = torch.empty(rows, k)
-        _, s = triton_quantize_rows(x, dtype, scale, out=pre_rounding, shift=shift)
-        assert torch.equal(s, s_ref)
+        pre_rounding = torch.empty(rows, k, device=fp8_device)
+        _, s = triton_quantize_rows(xd, dtype, on(fp8_device, scale)[0], out=pre_rounding, shift=shift_d)
+        assert torch.equal(s.cpu(), s_ref)
+        pre_rounding = pre_rounding.cpu()
         assert torch.isfinite(pre_rounding).all() and pre_rounding.abs().max() <= torch.finfo(dtype).max
         assert torch.equal(pre_rounding.to(dtype).view(torch.uint8), q_ref.view(torch.uint8))
-        q, _ = triton_quantize_rows(x, dtype, scale, shift=shift)
+        q, _ = triton_quantize_rows(xd, dtype, on(fp8_device, scale)[0], shift=shift_d)
         assert q.dtype == dtype and torch.isfinite(q.float()).all()
+        if fp8_device == "cuda":
+            assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("kernel", ["dequant", "triton"])
 @pytest.mark.parametrize("group", [32, 96])  # 96: the Triton kernel steps K by 32 inside each group
-def test_group_scaled_activations_match_a_hand_dequantized_product(kernel, group):
+def test_group_scaled_activations_match_a_hand_dequantized_product(kernel, group, fp8_device):
     g = torch.Generator().manual_seed(group)
     x, w = torch.randn(21, 192, generator=g), torch.randn(40, 192, generator=g)
     x[:, 5] *= 1e5  # one outlier channel: only its own group's scales grow
@@ -208,7 +260,8 @@ def test_group_scaled_activations_match_a_hand_dequantized_product(kernel, group
     assert xs.shape == (21, 192 // group)
     wq, ws = quantize(w, w.abs().amax(1, keepdim=True) / 448, torch.float8_e4m3fn), w.abs().amax(1) / 448
     by_hand = (xq.float().view(21, -1, group) * xs[..., None]).view(21, 192) @ (wq.float() * ws[:, None]).t()
-    assert rel_error(FP8_KERNELS[kernel](xq, xs, wq, ws), by_hand) < 1e-5
+    device = fp8_device if kernel == "triton" else "cpu"
+    assert rel_error(FP8_KERNELS[kernel](*on(device, xq, xs, wq, ws)), by_hand) < GEMM_BOUNDS[device]
     assert rel_error(fp8_gemm(xq, xs, wq, ws), by_hand) < 1e-5  # the CPU default takes group scales too
     with pytest.raises(ValueError, match="no per-group activation scales"):
         FP8_KERNELS["scaled_mm"](xq, xs, wq, ws)
@@ -358,3 +411,40 @@ def test_from_linear_refuses_tensors_the_format_does_not_name():
         Fp8Linear.from_linear(lin, Fp8Format.for_linear(lin, outlier_channels=2))
     with pytest.raises(ValueError, match="format is 64 -> 16"):
         Fp8Linear.from_linear(lin, Fp8Format(in_features=64, out_features=16))
+
+
+# -- the CUDA branches (pytest -m gpu) ---------------------------------------------------------
+@pytest.mark.gpu(capability=(8, 9))
+@pytest.mark.parametrize("grouped", [False, True])
+def test_fp8_gemm_dispatch_on_cuda(grouped):
+    """``fp8_gemm`` on CUDA tensors runs the Triton kernel (per-token and per-group scales)."""
+    _, _, xq, xs, wq, ws, bias = _operands(33, 96, 192, torch.float8_e4m3fn, torch.float8_e4m3fn, "per_channel", 7)
+    if grouped:
+        x = torch.randn(33, 192, generator=torch.Generator().manual_seed(8))
+        xq, xs = quantize_per_token_group(x, torch.float8_e4m3fn, 64)
+    assert select_kernel(torch.device("cuda"), grouped) == "triton"
+    ref = dequant_gemm(xq, xs, wq, ws, bias)
+    y = fp8_gemm(*on("cuda", xq, xs, wq, ws, bias))
+    assert y.is_cuda and rel_error(y, ref) < GEMM_BOUNDS["cuda"]
+
+
+@pytest.mark.gpu(capability=(8, 9))
+@pytest.mark.parametrize("variant", ["dynamic", "dynamic-shift", "dynamic-group", "static", "outliers", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_forward_on_cuda(variant, dtype):
+    """Fp8Linear.forward's CUDA branch (Triton cast, fused shift, Triton GEMM) against the same
+    layer on the CPU (torch's cast, ``_scaled_mm`` or the dequantize GEMM)."""
+    g = torch.Generator().manual_seed(stable_seed(variant))
+    lin = nn.Linear(128, 48).to(dtype)
+    x = (torch.randn(40, 128, generator=g) * 2 + torch.randn(128, generator=g)).to(dtype)
+    shift = x.float().mean(0) if variant in ("dynamic-shift", "outliers") else None
+    options = {"activation_scheme": variant.split("-")[0] if variant != "outliers" else "dynamic",
+               "input_shift": shift, "activation_group_size": 32 if variant == "dynamic-group" else 0,
+               "outliers": torch.tensor([3, 77]) if variant == "outliers" else None,
+               "input_scale": float(x.float().abs().max()) / 448 if variant == "static" else None}
+    q = fp8(lin, **options)
+    ref = q(x).float()
+    got = q.to("cuda")(x.to("cuda"))
+    assert got.is_cuda and got.dtype == dtype
+    bound = GEMM_BOUNDS["cuda"] + (2**-8 if dtype == torch.bfloat16 else 0)  # + the output's rounding to bfloat16
+    assert rel_error(got, ref) < bound

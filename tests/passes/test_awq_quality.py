@@ -1,0 +1,131 @@
+"""AWQ quality guards that fail when the quality regresses, measured only through the pass's options.
+
+The model: a tiny random Llama whose activations have what AWQ exists for — six salient hidden
+channels (its RMSNorm weights ×8 there) that tokens of the calibration domain excite further (the
+merged BPE tokens' embeddings +3 there). AWQ calibrates on pydoc's calibration pool; every error is
+measured on held-out windows of pydoc's evaluation region, never on the calibration windows: the
+mean over tokens of |logits - float logits| / |float logits|.
+
+Each guard compares two option settings with everything else at its default, by a stated margin
+(measured on two model seeds, 8 and 16 calibration samples, in brackets):
+
+- AWQ (defaults, GPTQ rounding) <= 0.5 × RTN                          [0.30, 0.35]
+- AWQ with round-to-nearest ("plain" AWQ) <= 0.8 × RTN                [0.62, 0.65]
+- clip search on <= 0.96 × off (round-to-nearest, where clipping decides the grid) [0.90, 0.91]
+- duo scaling "auto" <= 0.95 × "none"                                 [0.89, 0.88]
+- calibrated on the domain <= 0.5 × calibrated on unrelated text (real activation statistics
+  against ones that do not see the salient channels)                  [0.28, 0.29]
+
+Broken on purpose once each (see the issue-26 report): activation statistics replaced by uniform
+ones, clip search returning no clipping, duo scaling ignoring the weights — each fails a guard.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import make_hf_model
+
+import passes  # noqa: F401  (registers awq)
+from calib import load_corpus_text
+from calib.protocol import evaluation_windows, split_tokens
+from compiler.formats.int4 import Int4Linear
+from compiler.formats.qlinear import linear_modules
+from compiler.io.load import load_checkpoint
+from compiler.pipeline import PipelineConfig
+from compiler.pipeline.compile import compile_loaded
+
+GROUP = 32
+SALIENT = 6
+SAMPLES = 16  # calibration windows of 64 tokens
+
+
+def tiny_model_with_salient_channels(path, tokenizer, seed: int = 0):
+    hf = make_hf_model("llama", seed=seed, vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
+                       num_attention_heads=4, num_key_value_heads=2)
+    salient = torch.randperm(128, generator=torch.Generator().manual_seed(100 + seed))[:SALIENT]
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.input_layernorm.weight[salient] *= 8
+            layer.post_attention_layernorm.weight[salient] *= 8
+        merged = torch.arange(259, len(tokenizer))  # BPE merges: frequent in pydoc, absent from unrelated text
+        hf.model.embed_tokens.weight[merged[:, None], salient[None]] += 3.0
+    hf.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+class Quality:
+    """Compiles option settings once each and measures them on the held-out windows."""
+
+    def __init__(self, tmp, tokenizer, seed: int = 0, samples: int = SAMPLES):
+        self.tmp, self.samples = tmp, samples
+        self.src = tiny_model_with_salient_channels(tmp / "hf", tokenizer, seed)
+        ids = torch.tensor(tokenizer(load_corpus_text("pydoc")[:400_000])["input_ids"])
+        self.held_out = evaluation_windows(split_tokens(ids).evaluation, 16, 64)  # never in the calibration pool
+        self.unrelated = tmp / "unrelated.txt"  # CJK text: none of pydoc's merged tokens
+        rng = random.Random(0)
+        self.unrelated.write_text("".join(chr(rng.randrange(0x4E00, 0x9FFF)) if i % 7 else " " for i in range(60_000)))
+        with torch.no_grad():
+            self.reference = load_checkpoint(self.src).model(self.held_out)
+        self._errors: dict[str, float] = {}
+
+    @torch.no_grad()
+    def error(self, model) -> float:
+        out = model(self.held_out)
+        e = float(((out - self.reference).norm(dim=-1) / self.reference.norm(dim=-1)).mean())
+        assert e == e, "NaN output error"
+        return e
+
+    def rtn(self) -> float:
+        if "rtn" not in self._errors:
+            loaded = load_checkpoint(self.src)
+            for name, linear in linear_modules(loaded.model).items():
+                if name != "lm_head":
+                    loaded.model.set_submodule(name, Int4Linear.from_float(linear, GROUP))
+            self._errors["rtn"] = self.error(loaded.model)
+        return self._errors["rtn"]
+
+    def awq(self, corpus: str = "pydoc", **options) -> float:
+        key = f"{corpus}:{sorted(options.items())}"
+        if key not in self._errors:
+            loaded = load_checkpoint(self.src)
+            config = PipelineConfig.from_dict({"calibration": {"corpus": corpus, "samples": self.samples, "seq_len": 64, "seed": 0},
+                                               "passes": [{"name": "awq", "group_size": GROUP, **options}]})
+            compile_loaded(loaded, config, self.tmp / f"awq-{len(self._errors)}")
+            self._errors[key] = self.error(loaded.model)
+        return self._errors[key]
+
+
+@pytest.fixture(scope="module")
+def quality(tmp_path_factory, byte_tokenizer):
+    return Quality(tmp_path_factory.mktemp("awq-quality"), byte_tokenizer)
+
+
+def compare(label: str, better: float, worse: float, margin: float) -> None:
+    print(f"{label}: {better:.4f} vs {worse:.4f} (ratio {better / worse:.2f}, bound {margin})")
+    assert better <= margin * worse, f"{label}: {better:.4f} is not below {margin} × {worse:.4f}"
+
+
+def test_awq_beats_rtn_on_held_out_text(quality):
+    compare("AWQ vs RTN", quality.awq(), quality.rtn(), 0.5)
+
+
+def test_plain_awq_beats_rtn_on_held_out_text(quality):
+    """Without GPTQ's rounding, so the scale search and clipping alone must earn the margin."""
+    compare("AWQ round-to-nearest vs RTN", quality.awq(weight_rounding="nearest"), quality.rtn(), 0.8)
+
+
+def test_clip_search_lowers_held_out_error(quality):
+    compare("clip search on vs off", quality.awq(weight_rounding="nearest"),
+            quality.awq(weight_rounding="nearest", clip_search=False), 0.96)
+
+
+def test_duo_scaling_lowers_held_out_error(quality):
+    compare("duo scaling auto vs none", quality.awq(), quality.awq(duo_scaling="none"), 0.95)
+
+
+def test_activation_statistics_of_the_domain_matter(quality):
+    """Calibrated on text that never excites the salient channels, AWQ protects the wrong ones."""
+    compare("calibrated on pydoc vs unrelated text", quality.awq(), quality.awq(corpus=str(quality.unrelated)), 0.5)
