@@ -32,6 +32,7 @@ def lower_cmd(
     output: Path = typer.Option(..., "-o", "--output", help="Folder to write (bundle, or Triton model repository)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output folder."),
     max_len: Optional[int] = typer.Option(None, "--max-len", min=1, help="onnx/ascend: KV-cache length; default min(1024, the model's)."),
+    accuracy_level: Optional[int] = typer.Option(None, "--accuracy-level", help="onnx: MatMulNBits accuracy_level, 0 (the model's float type) .. 4 (int8 compute, the default)."),
     soc: Optional[str] = typer.Option(None, "--soc", help="ascend: chip name from 'npu-smi info', e.g. Ascend910B3."),
     buckets: Optional[str] = typer.Option(None, "--buckets", help="ascend: prefill length gears, e.g. 128,256,512."),
     atc: Optional[str] = typer.Option(None, "--atc", help="ascend: path to atc (default: atc on PATH)."),
@@ -47,7 +48,8 @@ def lower_cmd(
     from qcompile.cli.console import out
 
     load_plugins()
-    flags = {"max_len": max_len, "soc": soc, "buckets": parse_buckets(buckets), "atc": atc, "precision_mode": precision_mode,
+    flags = {"max_len": max_len, "accuracy_level": accuracy_level, "soc": soc, "buckets": parse_buckets(buckets), "atc": atc,
+             "precision_mode": precision_mode,
              "precision_mode_v2": precision_mode_v2, "device": device, "name": name, "instances": instances}
     path = lower(artifact, target, output, {k: v for k, v in flags.items() if v is not None}, force)
     if (Path(path) / BUNDLE_FILE).exists():

@@ -1,4 +1,4 @@
-"""The Triton W4A16 kernel against the torch reference (``Int4Linear.forward`` on the CPU),
+"""The Triton W4A16 kernel against the torch reference (``Int4Linear.reference_forward``),
 run by Triton's interpreter (TRITON_INTERPRET=1) in a subprocess so no GPU is needed."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ for (m, k, n, g, zp, bias, seed, config) in json.loads(sys.argv[1]):
     lin = nn.Linear(k, n, bias=bias)
     q = Int4Linear.from_float(lin, g, zp)
     x = torch.randn(2, m, k)  # fresh random inputs, with a leading batch dim
-    ref = q(x)  # CPU: the torch reference path (unpack -> dequantize -> matmul)
+    ref = q.reference_forward(x)  # unpack -> dequantize -> matmul
     out = w4a16_matmul(x, q.qweight, q.scales, q.qzeros, q.in_features, q.group_size, q.bias, config)
     rel = float((out - ref).norm() / ref.norm())
     results.append({"case": [m, k, n, g, zp, bias, config], "rel": rel, "finite": bool(torch.isfinite(out).all())})
