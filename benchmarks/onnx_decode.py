@@ -1,12 +1,15 @@
 """Decode latency per token at batch 1 on this CPU: INT4 MatMulNBits vs float ONNX vs torch.
 
-    python benchmarks/onnx_decode.py [--tokens 32] [--repeats 3] [--threads N] [--json]
+    python benchmarks/onnx_decode.py [--tokens 32] [--repeats 3] [--threads N] [--accuracy-levels 0,4] [--json]
 
-All three run in one process on the same prompt, interleaved per repeat (best repeat kept), so
-the ratios are measured under the same machine load. The torch baseline is the plain model with
-the contiguous KV cache. INT4 is RTN (``Int4Linear.from_float``, group 64, every linear layer but
-the tied lm_head). The memory-bandwidth floor is the weight bytes each decode step must read
-divided by the bandwidth of a large ``numpy.copyto`` (bytes read + written per second).
+All run in one process on the same prompt, interleaved per repeat (best repeat kept), so the
+ratios are measured under the same machine load. The torch baselines are the plain model and its
+INT4 copy (torch's INT4 CPU kernel) with the contiguous KV cache. INT4 is RTN
+(``Int4Linear.from_float``, group 64, every linear layer but the tied lm_head), exported once per
+MatMulNBits ``accuracy_level``. "rel. error" is each ONNX bundle's prefill logits against its
+torch model run on the dequantize reference (max |diff| / max |ref|). The memory-bandwidth floor
+is the weight bytes each decode step must read divided by the bandwidth of a large
+``numpy.copyto`` (bytes read + written per second).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from backends.onnx.runner import OnnxRunner  # noqa: E402
 from compiler.formats.int4 import Int4Linear  # noqa: E402
 from compiler.formats.qlinear import linear_modules  # noqa: E402
 from compiler.io.load import load_checkpoint  # noqa: E402
+from compiler.kernels.int4_cpu import reference_only  # noqa: E402
 from compiler.model.kv_cache import ContiguousKVCache  # noqa: E402
 
 PROMPT_LEN = 32
@@ -85,22 +89,36 @@ def int4_copy(model):
     return q
 
 
-def run(tokens: int, repeats: int, threads: int) -> dict:
+def prefill_rel_error(runner: OnnxRunner, model, prompt: torch.Tensor) -> float:
+    with torch.no_grad(), reference_only():
+        ref = model(prompt).numpy()
+    got = runner.prefill(prompt.numpy())
+    return float(np.abs(got - ref).max() / np.abs(ref).max()) if np.isfinite(got).all() else float("inf")
+
+
+def run(tokens: int, repeats: int, threads: int, accuracy_levels: list[int]) -> dict:
     torch.set_num_threads(threads)
     loaded = load_checkpoint("smollm2")
-    models = {"torch float32": loaded.model, "ONNX float32": loaded.model, "ONNX INT4 MatMulNBits g64": int4_copy(loaded.model)}
+    int4 = int4_copy(loaded.model)
+    torch_models = {"torch float32": loaded.model, "torch INT4 g64": int4}
+    onnx_models = {"ONNX float32": (loaded.model, 0)}
+    onnx_models.update({f"ONNX INT4 MatMulNBits g64 accuracy_level={level}": (int4, level) for level in accuracy_levels})
+    models = {**torch_models, **{label: model for label, (model, _) in onnx_models.items()}}
     prompt = torch.randint(0, loaded.model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+    rel_errors = {}
     with tempfile.TemporaryDirectory() as tmp:
         runners = {}
-        for label in ("ONNX float32", "ONNX INT4 MatMulNBits g64"):
+        for i, (label, (model, level)) in enumerate(onnx_models.items()):
             variant = copy.copy(loaded)
-            variant.model = models[label]
-            out = Path(tmp) / label.split()[1]
-            export_onnx(variant, out, OnnxExportOptions(max_len=PROMPT_LEN + tokens + 1))
+            variant.model = model
+            out = Path(tmp) / str(i)
+            export_onnx(variant, out, OnnxExportOptions(max_len=PROMPT_LEN + tokens + 1, accuracy_level=level))
             runners[label] = OnnxRunner(out, threads=threads)
+            rel_errors[label] = prefill_rel_error(runners[label], model, prompt)
         best = {label: float("inf") for label in models}
         for _ in range(repeats):  # interleaved, so load changes hit every runtime alike
-            best["torch float32"] = min(best["torch float32"], torch_decode(loaded.model, prompt, tokens))
+            for label, model in torch_models.items():
+                best[label] = min(best[label], torch_decode(model, prompt, tokens))
             for label, runner in runners.items():
                 best[label] = min(best[label], onnx_decode(runner, prompt.numpy(), tokens))
     bandwidth = measure_bandwidth()
@@ -109,7 +127,7 @@ def run(tokens: int, repeats: int, threads: int) -> dict:
         floor = weight_bytes_per_token(models[label]) / bandwidth
         rows.append({"runtime": label, "ms_per_token": 1e3 * seconds, "speedup_vs_torch": best["torch float32"] / seconds,
                      "weight_mib_per_token": weight_bytes_per_token(models[label]) / 2**20,
-                     "floor_ms": 1e3 * floor, "fraction_of_floor": floor / seconds})
+                     "floor_ms": 1e3 * floor, "fraction_of_floor": floor / seconds, "rel_error": rel_errors.get(label)})
     return {"tokens": tokens, "repeats": repeats, "threads": threads, "bandwidth_gb_s": bandwidth / 1e9, "rows": rows}
 
 
@@ -119,11 +137,12 @@ def print_table(result: dict) -> None:
 
     table = Table(title=f"SmolLM2-135M decode, batch 1, {result['threads']} threads, best of {result['repeats']} × "
                         f"{result['tokens']} tokens; copy bandwidth {result['bandwidth_gb_s']:.1f} GB/s")
-    for col in ("runtime", "ms/token", "× torch", "weights MiB/token", "floor ms", "floor / measured"):
+    for col in ("runtime", "ms/token", "× torch", "weights MiB/token", "floor ms", "floor / measured", "rel. error"):
         table.add_column(col, justify="left" if col == "runtime" else "right")
     for r in result["rows"]:
         table.add_row(r["runtime"], f"{r['ms_per_token']:.2f}", f"{r['speedup_vs_torch']:.2f}", f"{r['weight_mib_per_token']:.1f}",
-                      f"{r['floor_ms']:.2f}", f"{100 * r['fraction_of_floor']:.0f}%")
+                      f"{r['floor_ms']:.2f}", f"{100 * r['fraction_of_floor']:.0f}%",
+                      "" if r["rel_error"] is None else f"{r['rel_error']:.1e}")
     Console().print(table)
 
 
@@ -132,9 +151,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--accuracy-levels", default="0,4", help="MatMulNBits accuracy_level of each INT4 bundle")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = run(args.tokens, args.repeats, args.threads)
+    result = run(args.tokens, args.repeats, args.threads, [int(v) for v in args.accuracy_levels.split(",")])
     print(json.dumps(result, indent=1)) if args.json else print_table(result)
 
 

@@ -21,14 +21,27 @@ register_target(TargetSpec("onnx", "ONNX Runtime (INT4 as com.microsoft MatMulNB
 @dataclass(frozen=True)
 class OnnxLowerOptions:
     max_len: int | None = option(None, "KV-cache length of the graphs; default min(1024, the model's).")
+    # MatMulNBits' accuracy_level (backends/onnx/graph.py): 4, int8 compute, by default; 0 computes
+    # in the model's float type (matches torch's dequantize reference to float rounding).
+    accuracy_level: int | None = option(None, "MatMulNBits accuracy_level: 0 the model's float type, 4 int8 compute "
+                                              "(default 4).")
+
+    def __post_init__(self):
+        from backends.onnx.graph import MATMULNBITS_ACCURACY_LEVELS
+
+        if self.accuracy_level is not None and self.accuracy_level not in MATMULNBITS_ACCURACY_LEVELS:
+            raise ValueError(f"accuracy_level must be one of {MATMULNBITS_ACCURACY_LEVELS} (0 the model's float type, "
+                             f"4 int8), got {self.accuracy_level}")
 
 
 def _lower(artifact, out, opts: OnnxLowerOptions, force: bool):
     from backends.onnx.export import OnnxExportOptions, default_dtype, export_onnx
+    from backends.onnx.graph import DEFAULT_ACCURACY_LEVEL
     from compiler.deploy.lowering import load_for_target
 
     loaded, max_len = load_for_target(artifact, "onnx", opts.max_len)
-    export_onnx(loaded, out, OnnxExportOptions(max_len=max_len, dtype=default_dtype(loaded.model)), force)
+    level = DEFAULT_ACCURACY_LEVEL if opts.accuracy_level is None else opts.accuracy_level
+    export_onnx(loaded, out, OnnxExportOptions(max_len=max_len, dtype=default_dtype(loaded.model), accuracy_level=level), force)
     return out
 
 

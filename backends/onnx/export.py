@@ -18,7 +18,8 @@ import onnx
 import torch
 
 from backends.onnx.bundle import DECODE_FILE, PREFILL_FILE, WEIGHTS_FILE, OnnxBundleInfo
-from backends.onnx.graph import GraphSpec, build_graph, kv_cache_export
+from backends.onnx.graph import (DEFAULT_ACCURACY_LEVEL, MATMULNBITS_ACCURACY_LEVELS, GraphSpec, build_graph,
+                                 kv_cache_export)
 from compiler.errors import ConfigError
 from compiler.formats.int4 import Int4Linear
 from compiler.formats.qlinear import quantized_modules
@@ -39,12 +40,14 @@ LOWERED_ENTRIES = frozenset({"kv_cache", "serving"})
 
 @dataclass(frozen=True)
 class OnnxExportOptions:
-    """``max_len``: cache length; ``dtype``: float32|float16; ``batch``: static batch or None."""
+    """``max_len``: cache length; ``dtype``: float32|float16; ``batch``: static batch or None;
+    ``accuracy_level``: MatMulNBits' (``backends/onnx/graph.py``)."""
 
     max_len: int = 1024
     dtype: str = "float32"
     batch: int | None = None
     dequantize: bool = False  # export quantized layers as float (dequantized) weights
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL
 
     def validate(self, model: Transformer) -> None:
         arch = model.config.architecture
@@ -55,15 +58,18 @@ class OnnxExportOptions:
             raise ConfigError(f"ONNX export dtype must be float32 or float16, got {self.dtype!r}")
         if not 1 <= self.max_len <= model.config.max_seq_len:
             raise ConfigError(f"--max-len {self.max_len} must be in 1..{model.config.max_seq_len} (the model's max_seq_len)")
+        if self.accuracy_level not in MATMULNBITS_ACCURACY_LEVELS:
+            raise ConfigError(f"MatMulNBits accuracy_level must be one of {MATMULNBITS_ACCURACY_LEVELS} "
+                              f"(0 the input's type, 4 int8), got {self.accuracy_level!r}")
 
 
-def layer_exports(model: Transformer, dequantize: bool) -> dict[str, str]:
+def layer_exports(model: Transformer, dequantize: bool, accuracy_level: int = 0) -> dict[str, str]:
     """How each quantized module, and an FP8 KV cache (``layers.i.self_attn.kv_cache``), is
     exported (the report lists these; float layers and a float cache stay float)."""
     out = {}
     for name, m in quantized_modules(model).items():
         if isinstance(m, Int4Linear) and not dequantize:
-            out[name] = f"MatMulNBits(bits=4, block_size={m.group_size})"
+            out[name] = f"MatMulNBits(bits=4, block_size={m.group_size}, accuracy_level={accuracy_level})"
         else:
             how = f"MatMul on the dequantized {m.format_name} weight"
             # Formats that also quantize activations (fp8 dynamic/static) lose that step: the graph
@@ -97,7 +103,8 @@ def lowered_entries(loaded: LoadedModel, target: str, cache_dtypes: set[str]) ->
 def export_graphs(model: Transformer, opts: OnnxExportOptions) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """The prefill and decode ModelProtos (weights inline)."""
     opts.validate(model)
-    common = dict(max_len=opts.max_len, dtype=opts.dtype, batch=opts.batch, dequantize=opts.dequantize)
+    common = dict(max_len=opts.max_len, dtype=opts.dtype, batch=opts.batch, dequantize=opts.dequantize,
+                  accuracy_level=opts.accuracy_level)
     prefill = build_graph(model, GraphSpec("prefill", **common))  # T dynamic (ATC: gears)
     decode = build_graph(model, GraphSpec("decode", seq=1 if opts.batch is not None else None, **common))
     return prefill, decode
@@ -127,7 +134,7 @@ def bundle_info(loaded: LoadedModel, opts: OnnxExportOptions, target: str, extra
     return OnnxBundleInfo(target=target, dtype=opts.dtype, max_len=opts.max_len, n_layers=c.n_layers,
                           n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, vocab_size=c.vocab_size, batch=opts.batch,
                           eos_token_ids=c.eos_token_ids, tokenizer=loaded.tokenizer is not None,
-                          layers=layer_exports(loaded.model, opts.dequantize), extras=extras or {})
+                          layers=layer_exports(loaded.model, opts.dequantize, opts.accuracy_level), extras=extras or {})
 
 
 def write_bundle_files(directory: Path, loaded: LoadedModel, graphs, info: OnnxBundleInfo) -> None:

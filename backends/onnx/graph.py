@@ -39,6 +39,14 @@ OPSET = 17
 MS_DOMAIN = "com.microsoft"
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+# MatMulNBits' accuracy_level: the lowest precision ONNX Runtime may compute in. 0: the input's
+# type (float32: dequantize and float32 FMA), 1 float32, 2 float16, 3 bfloat16, 4 int8 (each
+# block of the activations quantized to int8, then integer dot products: VNNI on x86).
+MATMULNBITS_ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+# The default: int8 compute decodes SmolLM2 INT4 several times faster than level 0 on this CPU,
+# for ~6e-3 relative error per layer (benchmarks/onnx_decode.py, docs/BENCHMARKS.md); exports
+# that must match the torch reference to float32 rounding ask for 0.
+DEFAULT_ACCURACY_LEVEL = 4
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,8 @@ class GraphSpec:
     """What to build: ``kind`` prefill|decode; ``batch``/``seq`` None means a dynamic dim.
 
     ``dequantize`` exports every quantized layer as a float MatMul of its dequantized weight
-    (the Ascend path); otherwise INT4 layers become com.microsoft ``MatMulNBits``.
+    (the Ascend path); otherwise INT4 layers become com.microsoft ``MatMulNBits`` with
+    ``accuracy_level`` (``MATMULNBITS_ACCURACY_LEVELS``).
     """
 
     kind: str
@@ -55,13 +64,15 @@ class GraphSpec:
     batch: int | None = None
     seq: int | None = None
     dequantize: bool = False
+    accuracy_level: int = 0
 
 
 class GraphBuilder:
     """Collects nodes and initializers; weights are kept apart so two graphs can share them."""
 
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, accuracy_level: int = 0):
         self.dtype = dtype
+        self.accuracy_level = accuracy_level  # of every MatMulNBits node
         self.np_dtype = NP_DTYPES[dtype]
         self.nodes: list[onnx.NodeProto] = []
         self.consts: list[onnx.TensorProto] = []
@@ -105,7 +116,7 @@ def linear(b: GraphBuilder, x: str, module: nn.Module, name: str, dequantize: bo
                   b.fweight(f"{name}.scales", module.scales.reshape(-1)),
                   b.weight(f"{name}.qzeros", module.qzeros.reshape(-1), np.uint8)]
         y = b.op("MatMulNBits", inputs, name, domain=MS_DOMAIN, K=module.in_features, N=module.out_features,
-                 bits=4, block_size=module.group_size)
+                 bits=4, block_size=module.group_size, accuracy_level=b.accuracy_level)
     else:
         w = module.dequantized_weight() if isinstance(module, QuantizedLinear) else module.weight
         y = b.op("MatMul", [x, b.fweight(f"{name}.weight_t", w.t())], name)
@@ -193,7 +204,7 @@ class DecoderGraph:
 
     def __init__(self, model: Transformer, spec: GraphSpec, builder: GraphBuilder | None = None):
         self.model, self.spec, self.c = model, spec, model.config
-        self.b = builder or GraphBuilder(spec.dtype)
+        self.b = builder or GraphBuilder(spec.dtype, spec.accuracy_level)
         self.decode = spec.kind == "decode"
         self._key_pos: str | None = None  # decode: Range(0, L), every cache slot
         self._slot: str | None = None

@@ -16,6 +16,13 @@ byte for byte, so that lowering is a reshape, never a re-quantization:
     w[n, k] = (q[n, k] - z[n, k // g]) * s[n, k // g]
 
 The primitives (choose qparams, quantize, dequantize) are in ``compiler/quant/int4.py``.
+
+``forward`` runs, by device: on CUDA the Triton W4A16 kernel (``compiler/kernels/w4a16.py``); on
+the CPU torch's INT4 kernel (``compiler/kernels/int4_cpu.py``) on a copy of the weights repacked
+at first use (codes unchanged; the copy is an attribute, not a buffer, so it never enters the
+artifact, and it is rebuilt when the buffers change, move or change dtype). A layer the CPU
+kernel cannot take says why in ``kernel_reason`` and runs ``reference_forward`` (unpack,
+dequantize, matmul), which is also what every kernel is tested against.
 """
 from __future__ import annotations
 
@@ -27,6 +34,16 @@ import torch.nn.functional as F
 
 from compiler.formats.qlinear import QuantizedLinear, register_format
 from compiler.kernels import triton_available
+from compiler.kernels.int4_cpu import (
+    KERNEL,
+    REFERENCE_MIN_TOKENS,
+    Int4CpuPack,
+    activation_unsupported_reason,
+    int4_cpu_matmul,
+    kernel_enabled,
+    layer_unsupported_reason,
+    pack_for_cpu,
+)
 from compiler.quant.int4 import (
     SYMMETRIC_ZERO,
     choose_qparams,
@@ -71,7 +88,12 @@ def unpack_zeros(qzeros: torch.Tensor, n_blocks: int) -> torch.Tensor:
 
 @register_format
 class Int4Linear(QuantizedLinear):
-    """W4A16 linear layer in the layout above; ``forward`` matches ``nn.Linear``'s."""
+    """W4A16 linear layer in the layout above; ``forward`` matches ``nn.Linear``'s.
+
+    ``kernel`` names what a CPU forward runs (``KERNEL``, or ``"reference"``) and ``kernel_reason``
+    why a layer cannot use the kernel (None when it can); ``fallbacks`` collects the reasons of
+    calls that ran the reference anyway (e.g. float64 activations).
+    """
 
     format_name = "int4"
 
@@ -84,6 +106,11 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales", scales)
         self.register_buffer("qzeros", qzeros)
         self.register_buffer("bias", bias)
+        self.kernel_reason = layer_unsupported_reason(out_features, qweight.shape[1] * group_size, group_size)
+        self.kernel = "reference" if self.kernel_reason else KERNEL
+        self.fallbacks: set[str] = set()
+        self._cpu_pack: Int4CpuPack | None = None  # derived, never saved: see cpu_pack()
+        self._cpu_pack_key: tuple | None = None
 
     @property
     def n_blocks(self) -> int:
@@ -129,16 +156,48 @@ class Int4Linear(QuantizedLinear):
         return dequantize(q, self.scales, zero, self.group_size)[:, : self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(x.dtype)
         if x.is_cuda and triton_available():
             from compiler.kernels.w4a16 import w4_dequantize, w4a16_matmul
 
+            bias = None if self.bias is None else self.bias.to(x.dtype)
             if x.numel() // self.in_features < DEQUANT_MIN_TOKENS:
                 return w4a16_matmul(x, self.qweight, self.scales, self.qzeros, self.in_features, self.group_size, bias)
             w = w4_dequantize(self.qweight, self.scales, self.qzeros, self.in_features, self.group_size, x.dtype)
             return F.linear(x, w, bias)
-        # Reference path: unpack -> dequantize -> matmul.
+        if self._runs_cpu_kernel(x):
+            return int4_cpu_matmul(x, self.cpu_pack(), self.bias)
+        return self.reference_forward(x)
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Unpack -> dequantize -> matmul in x's dtype: the reference every kernel is tested against."""
+        bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
 
+    def _runs_cpu_kernel(self, x: torch.Tensor) -> bool:
+        if self.kernel_reason is not None or not kernel_enabled():
+            return False
+        if x.numel() >= REFERENCE_MIN_TOKENS * self.in_features:  # many tokens: dequantize + GEMM is faster
+            return False
+        if x.requires_grad and torch.is_grad_enabled():  # the kernel has no backward
+            return False
+        reason = activation_unsupported_reason(x)
+        if reason is not None:
+            self.fallbacks.add(reason)
+            return False
+        return True
+
+    def cpu_pack(self) -> Int4CpuPack:
+        """The weights in the CPU kernel's layout, built on first use and again whenever a buffer is
+        replaced, moved, cast or written in place (tracked by pointer, dtype and version counter)."""
+        key = tuple((t.data_ptr(), t.dtype, 0 if t.is_inference() else t._version)
+                    for t in (self.qweight, self.scales, self.qzeros))
+        if key != self._cpu_pack_key:
+            q, zero = self.codes()
+            self._cpu_pack = pack_for_cpu(q, self.scales, zero, self.group_size)
+            self._cpu_pack_key = key
+        return self._cpu_pack
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, zero_point={self.zero_point}"
+        why = f" ({self.kernel_reason})" if self.kernel_reason else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+                f"zero_point={self.zero_point}, kernel={self.kernel}{why}")

@@ -1,11 +1,13 @@
 """What ``qcompile inspect`` (and ``qcompile.inspect``) reports about an artifact, read from its
-manifest alone (the weights are not read): passes, formats, per-layer sizes and bits per weight."""
+manifest alone (the weights are not read): passes, formats, per-layer sizes and bits per weight,
+and for INT4 layers what a CPU forward runs on this machine (``cpu_kernel``)."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from pathlib import Path
 
 from compiler.io.artifact import WEIGHTS, read_manifest
+from compiler.kernels.int4_cpu import KERNEL, layer_unsupported_reason
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
                 "uint8": 1, "int8": 1, "int32": 4, "int64": 8, "bool": 1}
@@ -29,8 +31,12 @@ def artifact_summary(path: str | Path) -> dict:
     for module in sorted(set(weight_shape) | set(manifest["modules"])):
         meta = manifest["modules"].get(module, {"format": manifest["dtype"]})
         out_f, in_f = (meta["out_features"], meta["in_features"]) if "in_features" in meta else weight_shape[module]
-        layers.append({"module": module, **meta, "bytes": module_bytes[module],
-                       "bits_per_weight": round(8 * module_bytes[module] / (in_f * out_f), 3)})
+        layer = {"module": module, **meta, "bytes": module_bytes[module],
+                 "bits_per_weight": round(8 * module_bytes[module] / (in_f * out_f), 3)}
+        if meta["format"] == "int4":
+            why = layer_unsupported_reason(out_f, meta["padded_in_features"], meta["group_size"])
+            layer["cpu_kernel"] = f"reference: {why}" if why else KERNEL
+        layers.append(layer)
     weights_bytes = (path / WEIGHTS).stat().st_size
     return {
         "path": str(path),

