@@ -13,7 +13,11 @@ import tomllib
 import pytest
 from vllm_helpers import ROOT, VLLM_PYTHON
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = [pytest.mark.slow, pytest.mark.integration,
+              # Not yet run to completion (issue 22): AWQ of SmolLM2 in float16 took over 15 min on the
+              # shared machine and was stopped; run it by hand (pytest -m slow --runxfail is no help:
+              # remove this mark) before it gates CI.
+              pytest.mark.skip(reason="not yet run to completion here; see issue 22's note")]
 
 
 def test_smollm2_awq_perplexity_on_vllm_matches_qcompile_eval(tmp_path):
