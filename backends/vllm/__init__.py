@@ -10,18 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from backends.vllm.export import VllmLowerOptions, export_vllm
 from backends.vllm.schemes import check_module, check_plan
 from compiler.deploy.lowering import register_lowering
 from compiler.deploy.targets import TargetSpec, register_target
-from compiler.options import parse_options
 
 
-def _lower(artifact: Path, out: Path, options: dict, force: bool) -> Path:
-    from backends.vllm.export import VllmLowerOptions, export_vllm
-
-    return export_vllm(artifact, out, parse_options(VllmLowerOptions, options, "--target vllm"), force)
+def _lower(artifact: Path, out: Path, opts: VllmLowerOptions, force: bool) -> Path:
+    return export_vllm(artifact, out, opts, force)
 
 
 register_target(TargetSpec("vllm", "vLLM: a compressed-tensors checkpoint (INT4 pack-quantized, FP8 float-quantized)",
                            check_module, check_plan))
-register_lowering("vllm", _lower)
+register_lowering("vllm", _lower, VllmLowerOptions)

@@ -24,6 +24,7 @@ from backends.vllm.schemes import FUSED_SETS, ct_scheme, kv_cache_scheme
 from backends.vllm.tensors import fp8_tensors, int4_tensors, kv_scale_tensors
 from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
 from compiler.errors import ConfigError
+from compiler.options import option
 from compiler.formats.qlinear import linear_modules, quantized_modules
 from compiler.io.artifact import MANIFEST, load_artifact, read_manifest
 from compiler.io.atomic import atomic_directory_write
@@ -42,7 +43,7 @@ EXPORT_FILE = "qcompile_export.json"
 class VllmLowerOptions:
     """Options of ``qcompile lower --target vllm`` (API: ``lower(..., options={"shard_size_mb": 512})``)."""
 
-    shard_size_mb: int = 4096  # the largest safetensors shard; more tensors go into further shards
+    shard_size_mb: int = option(4096, "vllm: the largest safetensors shard in MB; more tensors go into further shards.")
 
     def __post_init__(self):
         if self.shard_size_mb < 1:
