@@ -31,7 +31,9 @@ def test_gemma3_270m_matches_transformers(gemma3):
 
 @pytest.mark.slow
 def test_gemma3_270m_perplexity_protocol(gemma3):
-    """The issue's figure: transformers' own forward gives 28.07 on pydoc, 16 windows of 512."""
+    """27.298 on pydoc, 16 windows of 512, float32: transformers 5.24's own forward on the same
+    windows gives 27.2975 too (measured once, to every printed digit). Issue 24 records 28.07 from a
+    run whose dtype and versions it does not give."""
     result = evaluate_perplexity(gemma3, "pydoc", windows=16)
     assert result["tokens"] == 16 * 511
-    assert abs(result["ppl"] - 28.07) < 0.01, result["ppl"]
+    assert abs(result["ppl"] - 27.298) < 0.01, result["ppl"]
