@@ -113,7 +113,12 @@ def _compare_with_engine(artifact: Path, url: str, model_name: str) -> dict:
     return {"exact": sum(a == b for a, b in zip(ours, theirs)), "max_logprob_error": err}
 
 
-@pytest.mark.parametrize("name", ["llama-int4", "qwen2-int4", "qwen2-fp8"])
+# Not yet run to completion here (issue 22): FP8 on vLLM 0.32's CPU kernels, and `qcompile serve
+# --engine vllm` with a bench run; both run by hand before they gate CI.
+UNRUN = pytest.mark.skip(reason="not yet run to completion on the real vLLM here; see issue 22's note")
+
+
+@pytest.mark.parametrize("name", ["llama-int4", "qwen2-int4", pytest.param("qwen2-fp8", marks=UNRUN)])
 def test_vllm_runs_the_export_as_the_engine_does(exported, name, tmp_path):
     artifact, checkpoint = exported[name]
     server = _start(checkpoint, tmp_path / "vllm.log")
@@ -141,6 +146,7 @@ def test_compressed_tensors_decompressor_gives_the_artifacts_weights(exported, t
             assert torch.equal(decompressed[f"model.{n}"], module.dequantized_weight()), (name, n)  # bit for bit
 
 
+@UNRUN
 def test_qcompile_serve_engine_vllm_and_bench_openai(exported, tmp_path):
     """``qcompile serve CHECKPOINT --engine vllm``: ready line, greedy parity, a bench run, a clean SIGTERM stop."""
     from backends.triton.runtime import free_port

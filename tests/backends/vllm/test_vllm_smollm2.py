@@ -15,8 +15,7 @@ from vllm_helpers import ROOT, VLLM_PYTHON
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration,
               # Not yet run to completion (issue 22): AWQ of SmolLM2 in float16 took over 15 min on the
-              # shared machine and was stopped; run it by hand (pytest -m slow --runxfail is no help:
-              # remove this mark) before it gates CI.
+              # shared machine and was stopped; remove this mark once it has passed by hand.
               pytest.mark.skip(reason="not yet run to completion here; see issue 22's note")]
 
 
