@@ -120,7 +120,7 @@ def test_adapter_refuses_what_it_cannot_measure(mode, words):
 
 
 def test_bench_openai_target_measures_exact_lengths(tmp_path, byte_tokenizer):
-    from qcompile.cli.bench import run_benchmark
+    from serving.bench.benchmark import run_benchmark
     from serving.bench.runner import LoadConfig
     from serving.bench.targets import parse_target
     from serving.bench.workload import LengthDist, WorkloadConfig
