@@ -44,7 +44,7 @@ ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 # block of the activations quantized to int8, then integer dot products: VNNI on x86).
 MATMULNBITS_ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 # The default: int8 compute decodes SmolLM2 INT4 several times faster than level 0 on this CPU,
-# for ~6e-3 relative error per layer (benchmarks/onnx_decode.py, docs/BENCHMARKS.md); exports
+# for ~6e-3 relative error per layer (measured under load with benchmarks/onnx_decode.py; not yet in the benchmarks doc); exports
 # that must match the torch reference to float32 rounding ask for 0.
 DEFAULT_ACCURACY_LEVEL = 4
 

@@ -47,7 +47,7 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 VECTORIZED_CAPABILITIES = ("AVX2", "AVX512")  # torch's x86 builds of the bfloat16 tinygemm
 # From this many tokens on, dequantize-then-matmul beats the kernel, which is a register-blocked
 # FMA loop (4 rows at a time) rather than a GEMM: 2x slower than a float32 matmul at 128 tokens,
-# and slower than dequantize + matmul at 512 (benchmarks/int4_cpu.py, docs/BENCHMARKS.md).
+# and slower than dequantize + matmul at 512 (measured with benchmarks/int4_cpu.py; not yet in the benchmarks doc).
 REFERENCE_MIN_TOKENS = 256
 ENV_SWITCH = "QCOMPILE_INT4_CPU_KERNEL"
 _override = {"reference_only": False}

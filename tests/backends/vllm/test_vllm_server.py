@@ -136,7 +136,8 @@ def test_compressed_tensors_decompressor_gives_the_artifacts_weights(exported, t
     for name, (artifact, checkpoint) in exported.items():
         out = tmp_path / f"{name}.safetensors"
         subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("ct_decompress.py")), str(checkpoint), str(out)],
-                       check=True, capture_output=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+                       check=True, capture_output=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+                       timeout=600)
         from safetensors.torch import load_file
 
         decompressed = load_file(str(out))
@@ -171,7 +172,8 @@ def test_qcompile_serve_engine_vllm_and_bench_openai(exported, tmp_path):
         _compare_with_engine(artifact, f"127.0.0.1:{port}", model)
         bench = subprocess.run([sys.executable, "-m", "qcompile", "bench", f"openai://127.0.0.1:{port}", "--concurrency", "2",
                                 "--num-requests", "4", "--warmup", "0", "--prompt-len", "16", "--output-len", "8",
-                                "--output-json", str(tmp_path / "bench.json")], capture_output=True, text=True, env=env, cwd=ROOT)
+                                "--output-json", str(tmp_path / "bench.json")], capture_output=True, text=True, env=env, cwd=ROOT,
+                               timeout=600)
         assert bench.returncode == 0, bench.stdout + bench.stderr
         counts = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["metrics"]["counts"]
         assert counts["successful"] == 4 and counts["output_tokens"] == 32 and counts["output_length_mismatch"] == 0
