@@ -10,6 +10,7 @@ artifact's dequantized weights. Not skipped without vLLM: a missing install is a
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import re
@@ -41,7 +42,12 @@ TOKENS = 16
 # Two implementations of one model agree on a greedy token unless the model's own two best
 # logits are this close (a numerical tie; the continuations may then differ).
 TIE = {"float16": 0.1, "bfloat16": 0.25, "float32": 0.05}
-LOGPROB_TOLERANCE = {"float16": 0.05, "bfloat16": 0.15, "float32": 0.05}  # |Δ log p| of prompt tokens
+# Prompt log-probabilities are compared with the artifact's own math in float32 (its dequantized
+# weights are exact there). In float16 or bfloat16 both engines round; vLLM's error may be a few
+# times qcompile's own (its kernels round at other places), never more than LOGPROB_ROUNDING times
+# it, nor above the floor in float32, where a wrong zero point or scale moves log p by whole units.
+LOGPROB_ROUNDING = 4.0
+LOGPROB_FLOOR = {"float16": 0.02, "bfloat16": 0.1, "float32": 0.01}
 
 
 @pytest.fixture(scope="module")
@@ -96,21 +102,28 @@ def _first_disagreement(model, prompt: list[int], ours: list[int], theirs: list[
     return None if len(ours) == len(theirs) == TOKENS else f"lengths {len(ours)} and {len(theirs)}"
 
 
+def _window_logprobs(model, window: list[int]) -> torch.Tensor:
+    """log p(window[t] | window[:t]) for t = 1..T-1 under ``model``."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([window]))[0].float(), -1)
+    return logp[torch.arange(len(window) - 1), torch.tensor(window[1:])]
+
+
 def _compare_with_engine(artifact: Path, url: str, model_name: str) -> dict:
     loaded = load_artifact(artifact)
     dtype = loaded.manifest["dtype"]
-    ours = _tokens(EngineAdapter.from_artifact(artifact))
-    theirs = _tokens(OpenAIAdapter(url, model_name))
-    problems = [why for p, a, b in zip(PROMPTS, ours, theirs) if (why := _first_disagreement(loaded.model, p, a, b, TIE[dtype]))]
+    engine = _tokens(EngineAdapter.from_artifact(artifact))
+    served = _tokens(OpenAIAdapter(url, model_name))
+    problems = [why for p, a, b in zip(PROMPTS, engine, served) if (why := _first_disagreement(loaded.model, p, a, b, TIE[dtype]))]
     assert not problems, problems
     window = list(range(3, 67))
-    with torch.no_grad():
-        logp = torch.log_softmax(loaded.model(torch.tensor([window]))[0].float(), -1)
-    expected = logp[torch.arange(len(window) - 1), torch.tensor(window[1:])]
+    exact = _window_logprobs(copy.deepcopy(loaded.model).float(), window)  # the artifact's math, in float32
+    engine_err = float((_window_logprobs(loaded.model, window) - exact).abs().max())
     got = torch.tensor(window_logprobs(url, model_name, window))
-    err = float((got - expected).abs().max())
-    assert err < LOGPROB_TOLERANCE[dtype], f"prompt log-probabilities differ by up to {err:.4f}"
-    return {"exact": sum(a == b for a, b in zip(ours, theirs)), "max_logprob_error": err}
+    err = float((got - exact).abs().max())
+    bound = max(LOGPROB_ROUNDING * engine_err, LOGPROB_FLOOR[dtype])
+    assert err < bound, f"vLLM's prompt log-probabilities differ from float32 by up to {err:.4f} (engine: {engine_err:.4f})"
+    return {"max_logprob_error": err, "engine_max_logprob_error": engine_err}
 
 
 # Not yet run to completion here (issue 22): FP8 on vLLM 0.32's CPU kernels, and `qcompile serve
