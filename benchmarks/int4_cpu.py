@@ -76,7 +76,7 @@ def print_table(rows: list[dict]) -> None:
                       f"{r['reference_ms']:.3f}", f"{r['float_ms']:.3f}",
                       "—" if kernel is None else f"{kernel / r['float_ms']:.2f}",
                       "—" if kernel is None else f"{r['reference_ms'] / kernel:.1f}", f"{r['pack_ms']:.0f}")
-    Console().print(table)
+    Console(width=160).print(table)
 
 
 def main() -> None:

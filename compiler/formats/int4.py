@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from compiler.formats.qlinear import QuantizedLinear, register_format
 from compiler.kernels import triton_available
 from compiler.kernels.int4_cpu import (
+    ACTIVATION_DTYPES,
     KERNEL,
     REFERENCE_MIN_TOKENS,
     Int4CpuPack,
@@ -110,7 +111,7 @@ class Int4Linear(QuantizedLinear):
         self.kernel = "reference" if self.kernel_reason else KERNEL
         self.fallbacks: set[str] = set()
         self._cpu_pack: Int4CpuPack | None = None  # derived, never saved: see cpu_pack()
-        self._cpu_pack_key: tuple | None = None
+        self._cpu_pack_source: tuple | None = None  # the buffers it was built from, and their versions
 
     @property
     def n_blocks(self) -> int:
@@ -165,7 +166,7 @@ class Int4Linear(QuantizedLinear):
             w = w4_dequantize(self.qweight, self.scales, self.qzeros, self.in_features, self.group_size, x.dtype)
             return F.linear(x, w, bias)
         if self._runs_cpu_kernel(x):
-            return int4_cpu_matmul(x, self.cpu_pack(), self.bias)
+            return int4_cpu_matmul(x, self.cpu_pack(), self._buffers["bias"])
         return self.reference_forward(x)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -180,21 +181,22 @@ class Int4Linear(QuantizedLinear):
             return False
         if x.requires_grad and torch.is_grad_enabled():  # the kernel has no backward
             return False
-        reason = activation_unsupported_reason(x)
-        if reason is not None:
-            self.fallbacks.add(reason)
-            return False
-        return True
+        if x.is_cpu and x.dtype in ACTIVATION_DTYPES:  # the common case, checked first: this runs every call
+            return True
+        self.fallbacks.add(activation_unsupported_reason(x))
+        return False
 
     def cpu_pack(self) -> Int4CpuPack:
         """The weights in the CPU kernel's layout, built on first use and again whenever a buffer is
-        replaced, moved, cast or written in place (tracked by pointer, dtype and version counter)."""
-        key = tuple((t.data_ptr(), t.dtype, 0 if t.is_inference() else t._version)
-                    for t in (self.qweight, self.scales, self.qzeros))
-        if key != self._cpu_pack_key:
+        replaced (``to``, ``load_state_dict(assign=True)``) or written in place (its version counter)."""
+        buffers = self._buffers  # not self.qweight: nn.Module.__getattr__ costs µs on every call
+        tensors = (buffers["qweight"], buffers["scales"], buffers["qzeros"])
+        versions = tuple(-1 if t.is_inference() else t._version for t in tensors)
+        source = self._cpu_pack_source
+        if source is None or source[1] != versions or any(a is not b for a, b in zip(source[0], tensors)):
             q, zero = self.codes()
             self._cpu_pack = pack_for_cpu(q, self.scales, zero, self.group_size)
-            self._cpu_pack_key = key
+            self._cpu_pack_source = (tensors, versions)
         return self._cpu_pack
 
     def extra_repr(self) -> str:

@@ -108,6 +108,10 @@ def test_the_packed_copy_is_not_saved_and_follows_the_buffers():
     m(x)
     assert m._cpu_pack is not None and set(m.state_dict()) == keys == {"qweight", "scales", "qzeros", "bias"}
 
+    before = m(x)
+    m.scales = m.scales * 2  # a new tensor (version counter 0, as the old one's)
+    torch.testing.assert_close(m(x), 2 * (before - m.bias) + m.bias, rtol=1e-5, atol=1e-5)
+
     other = layer(seed=1)
     m.load_state_dict(other.state_dict())  # copied in place: same storage, new values
     torch.testing.assert_close(m(x), other(x), rtol=0, atol=0)
