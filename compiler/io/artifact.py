@@ -236,5 +236,5 @@ def check_lowered_entries(manifest: dict, target: str, lowered: set[str] | froze
     unknown = sorted(set(manifest) - CORE_KEYS - set(lowered))
     if unknown:
         raise ConfigError(f"{where}: the artifact declares {', '.join(map(repr, unknown))}, which the {target} "
-                            f"lowering does not know (it lowers {', '.join(sorted(lowered)) or 'no pass entries'}); "
-                            "lower to another target or compile without the pass that wrote it")
+                          f"lowering does not know (it lowers {', '.join(sorted(lowered)) or 'no pass entries'}); "
+                          "lower to another target or compile without the pass that wrote it")

@@ -13,6 +13,8 @@ measured on model seeds 0 (the one tested) and 1 (8 calibration samples), in bra
 
 - AWQ (defaults: GPTQ rounding) <= 0.5 × RTN                              [0.28, 0.35]
 - AWQ with round-to-nearest codes ("plain" AWQ) <= 0.8 × RTN              [0.63, 0.65]
+- the activation-aware scales alone (s = mean|x|^α searched; round-to-nearest, no clip, no duo
+  scaling) <= 0.85 × RTN                                                  [0.70, 0.76]
 - clip search on <= 0.96 × off (round-to-nearest, where clipping sets the grid) [0.91, 0.91]
 - calibrated on pydoc <= 0.65 × calibrated on unrelated (CJK) text: real activation
   statistics against ones that never see the domain's salient channels   [0.41, 0.49]
@@ -23,9 +25,11 @@ measured on model seeds 0 (the one tested) and 1 (8 calibration samples), in bra
 Over the full α search duo scaling shows no consistent held-out gain on these models (0.88-1.11
 across seeds and sample counts), so it is guarded where its weight term acts by construction.
 
-Broken on purpose once each (see the issue-26 report): uniform activation statistics (mean |x| of
-ones, an identity Gram matrix), a clip search that never clips, duo scaling that ignores the
-weights — each fails at least one guard.
+Broken on purpose once each (in a scratch copy of passes/awq_search.py's InputStats, search_clip,
+candidate_scales), every break fails a guard: uniform statistics (mean |x| of ones and an identity
+Gram) fail four (AWQ vs RTN 0.95); an identity Gram alone three; mean |x| of ones alone the
+plain-AWQ guard (0.81) and the scales guard (s = 1 for every α: RTN itself); a clip search that
+never clips the clip guard (1.00); duo scaling that ignores the weights the duo guard (1.00).
 """
 from __future__ import annotations
 
@@ -133,6 +137,13 @@ def test_awq_beats_rtn_on_held_out_text(quality):
 def test_plain_awq_beats_rtn_on_held_out_text(quality):
     """Without GPTQ's rounding, so the scale search and clipping alone must earn the margin."""
     compare("AWQ round-to-nearest vs RTN", quality.awq(weight_rounding="nearest"), quality.rtn(), 0.8)
+
+
+def test_activation_aware_scales_beat_rtn_on_held_out_text(quality):
+    """The scale search alone: with round-to-nearest codes, no clipping and no duo scaling, only
+    s = mean|x|^α (α searched) separates the pass from RTN."""
+    scales_only = quality.awq(weight_rounding="nearest", clip_search=False, duo_scaling="none")
+    compare("activation-aware scales alone vs RTN", scales_only, quality.rtn(), 0.85)
 
 
 def test_clip_search_lowers_held_out_error(quality):
