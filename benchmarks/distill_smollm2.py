@@ -5,8 +5,8 @@
     python benchmarks/distill_smollm2.py memory --steps 4           # tokens/s and peak memory, with/without checkpointing
 
 Held-out text: the pydoc evaluation region (the training corpus's last 30%, never trained on) and
-"stdlib-docs", a corpus this script assembles from the docstrings of a fixed list of standard-library
-modules (present on any CPython 3.11; never trained on, its evaluation region is used). With
+the built-in corpus "stdlib-docs" (calib/corpus.py: the docstrings of a fixed list of standard-library
+modules, present on any CPython 3.11; never trained on, its evaluation region is used). With
 --train-docs the QAT run also trains on the pool of numpy's docstrings. Results are written as JSON
 under --out and printed as one JSON line.
 """
@@ -35,33 +35,10 @@ from passes.distill import DistillOptions, run_distillation  # noqa: E402
 from passes.distill.api import heldout_sets  # noqa: E402
 from passes.distill.students import keep_layers_student  # noqa: E402
 
-STDLIB_MODULES = ("argparse", "asyncio.events", "collections", "concurrent.futures", "contextlib", "csv", "dataclasses",
-                  "datetime", "decimal", "email.message", "functools", "heapq", "http.client", "inspect", "itertools",
-                  "json", "logging", "multiprocessing.pool", "os", "pathlib", "pickle", "re", "shutil", "socket",
-                  "sqlite3", "statistics", "string", "subprocess", "tarfile", "threading", "typing", "unittest.case",
-                  "urllib.parse", "uuid", "zipfile")
-
-
 # Training text beside the pydoc pool (--train-docs): the docstrings of numpy, which ships with
 # qcompile's own numpy dependency; its pool is trained on, as pydoc's is.
 # docs/notes/2026-12-distill-real-docs-text.md gives its n-gram overlap with both held-out regions.
 NUMPY_MODULES = ("numpy", "numpy.linalg", "numpy.random", "numpy.fft", "numpy.polynomial")
-
-
-def docstring_corpus(path: Path, modules: tuple[str, ...]) -> str:
-    """Module, class and function docstrings of ``modules`` (those defined in each) -> a .txt corpus spec.
-    The held-out stdlib-docs is built by this rule, unchanged, so it stays the text every recorded run
-    was measured on; ``package_docs_corpus`` gathers more per module, for training text."""
-    parts = []
-    for name in modules:
-        module = importlib.import_module(name)
-        parts.append(inspect.getdoc(module) or "")
-        for attr, obj in sorted(vars(module).items()):
-            if not attr.startswith("_") and getattr(obj, "__module__", None) == name and (inspect.isclass(obj) or inspect.isfunction(obj)):
-                doc = inspect.getdoc(obj)
-                if doc:
-                    parts.append(f"{attr}\n{doc}")
-    return _write_corpus(path, parts)
 
 
 def package_docs_corpus(path: Path, modules: tuple[str, ...]) -> str:
@@ -243,7 +220,7 @@ def main() -> None:
         print(json.dumps(result))
         return
     loaded = load_checkpoint("smollm2")
-    args.second = docstring_corpus(args.out / "stdlib-docs.txt", STDLIB_MODULES) if args.what in ("qat", "half") else None
+    args.second = "stdlib-docs" if args.what in ("qat", "half") else None
     run = {"qat": run_qat, "half": run_half, "memory-one": run_memory_one}[args.what]
     result = {"what": args.what, "args": {k: str(v) for k, v in vars(args).items()}, **run(args, loaded.model, loaded.tokenizer)}
     if args.what != "memory-one":

@@ -1,17 +1,27 @@
 """Text sources for calibration, evaluation and distillation.
 
 A corpus spec is one string:
-  - ``pydoc``: the built-in corpus, Python's ``pydoc_data.topics`` (keys sorted, texts joined by blank lines);
-    it ships with every CPython, so nothing is downloaded;
+  - ``pydoc``: Python's ``pydoc_data.topics`` (keys sorted, texts joined by blank lines): the
+    language reference, the corpus every figure is measured on;
+  - ``stdlib-docs``: the docstrings of 35 standard-library modules (API documentation, a second
+    domain; the held-out corpus of the quality figures). Both ship with every CPython, so nothing
+    is downloaded;
   - a ``.txt`` file; a folder of ``.txt`` files (sorted by name, joined by blank lines);
   - a ``.jsonl`` file, optionally as ``file.jsonl:field`` (default field ``text``).
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 from pathlib import Path
 
-BUILTIN_CORPORA = ("pydoc",)
+BUILTIN_CORPORA = ("pydoc", "stdlib-docs")
+STDLIB_MODULES = ("argparse", "asyncio.events", "collections", "concurrent.futures", "contextlib", "csv", "dataclasses",
+                  "datetime", "decimal", "email.message", "functools", "heapq", "http.client", "inspect", "itertools",
+                  "json", "logging", "multiprocessing.pool", "os", "pathlib", "pickle", "re", "shutil", "socket",
+                  "sqlite3", "statistics", "string", "subprocess", "tarfile", "threading", "typing", "unittest.case",
+                  "urllib.parse", "uuid", "zipfile")
 
 
 class CorpusError(ValueError):
@@ -22,6 +32,21 @@ def _pydoc_text() -> str:
     from pydoc_data import topics
 
     return "\n\n".join(topics.topics[key] for key in sorted(topics.topics))
+
+
+def docstring_text(modules: tuple[str, ...]) -> str:
+    """Module, class and function docstrings of ``modules`` (those each defines), joined by blank lines.
+    ``stdlib-docs`` is this rule on STDLIB_MODULES, unchanged since its first recorded figure."""
+    parts = []
+    for name in modules:
+        module = importlib.import_module(name)
+        parts.append(inspect.getdoc(module) or "")
+        for attr, obj in sorted(vars(module).items()):
+            if not attr.startswith("_") and getattr(obj, "__module__", None) == name and (inspect.isclass(obj) or inspect.isfunction(obj)):
+                doc = inspect.getdoc(obj)
+                if doc:
+                    parts.append(f"{attr}\n{doc}")
+    return "\n\n".join(p for p in parts if p)
 
 
 def _jsonl_text(path: Path, field: str) -> str:
@@ -42,15 +67,17 @@ def _jsonl_text(path: Path, field: str) -> str:
 
 def load_corpus_text(spec: str) -> str:
     """Return the whole text of the corpus named by ``spec`` (see module docstring)."""
-    if spec in BUILTIN_CORPORA:
+    if spec == "pydoc":
         return _pydoc_text()
+    if spec == "stdlib-docs":
+        return docstring_text(STDLIB_MODULES)
     path_part, _, field = spec.partition(".jsonl:")
     if field:
         path, field = Path(path_part + ".jsonl"), field
     else:
         path, field = Path(spec), "text"
     if not path.exists():
-        raise CorpusError(f"corpus {spec!r} not found; use 'pydoc', a .txt file, a folder of .txt or a .jsonl file")
+        raise CorpusError(f"corpus {spec!r} not found; use 'pydoc', 'stdlib-docs', a .txt file, a folder of .txt or a .jsonl file")
     if path.is_dir():
         files = sorted(path.glob("*.txt"))
         if not files:

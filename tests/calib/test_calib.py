@@ -23,6 +23,18 @@ def test_pydoc_corpus_is_sorted_topics():
     assert text.startswith(topics.topics[first]) and len(text) > 400_000
 
 
+def test_stdlib_docs_corpus_is_the_docstrings_of_its_modules():
+    import argparse
+    import inspect
+
+    from calib.corpus import STDLIB_MODULES
+
+    text = load_corpus_text("stdlib-docs")
+    assert text.startswith(inspect.getdoc(argparse)) and STDLIB_MODULES[0] == "argparse"
+    assert f"ArgumentParser\n{inspect.getdoc(argparse.ArgumentParser)}" in text
+    assert "pydoc" not in text[:1000] and len(text) > 150_000 and text == load_corpus_text("stdlib-docs")
+
+
 def test_file_folder_and_jsonl(tmp_path):
     (tmp_path / "a.txt").write_text("alpha")
     (tmp_path / "b.txt").write_text("beta")
