@@ -8,20 +8,23 @@ variants more steadily than a perplexity change of a few tenths of a percent doe
 
     python benchmarks/fp8_quality.py --windows 16 --samples 16
     python benchmarks/fp8_quality.py --only w8a8-dynamic kv-e4m3   # a subset
+    python benchmarks/fp8_quality.py --split validation --corpora pydoc,stdlib-docs   # to choose on
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import tempfile
 import time
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
 import passes  # noqa: F401  (registers the fp8 pass)
-from calib import evaluation_windows
+from calib import SPLITS, evaluation_windows
 from compiler.io.artifact import load_artifact
 from compiler.io.load import load_checkpoint
 from compiler.io.summary import artifact_summary
@@ -39,6 +42,8 @@ VARIANTS = {  # the issue's four figures first, then the other options
     "w8a8-static-absmax": {"activation_scheme": "static"},
     # the 32 input channels of largest variance per layer in the model dtype (QUIK), the rest as above
     "w8a8-dynamic-outliers32": {"outlier_channels": 32},
+    "w8a8-dynamic-outliers64": {"outlier_channels": 64},
+    "w8a8-dynamic-group64-outliers32": {"activation_group_size": 64, "outlier_channels": 32},
     "w8a8-static-outliers32": {"activation_scheme": "static", "outlier_channels": 32},
     # without the default input_shift (each input channel's calibration mean subtracted, OS+)
     "w8a8-dynamic-noshift": {"input_shift": False},
@@ -64,17 +69,30 @@ def variant_config(options: dict | None, samples: int) -> PipelineConfig:
     return PipelineConfig.from_dict(d)
 
 
+def held_out_sets(source, corpora: list[str], split: str, windows: int) -> dict[str, tuple[torch.Tensor, list]]:
+    """corpus -> (its first ``windows`` windows of ``split``, or all it holds if fewer; the float logits on them)."""
+    sets = {}
+    for corpus in corpora:
+        region = corpus_split(source.tokenizer, corpus).region(split)
+        batch = evaluation_windows(region, min(windows, len(region) // 512), 512)
+        sets[corpus] = batch, teacher_logits(source.model, batch)  # float logits, once
+    return sets
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--windows", type=int, default=16, help="per corpus (stdlib-docs holds 15 per region)")
     ap.add_argument("--samples", type=int, default=16, help="calibration windows of 512 tokens")
     ap.add_argument("--only", nargs="*", choices=list(VARIANTS), help="variants besides float")
+    ap.add_argument("--corpora", default="pydoc", help="comma-separated held-out corpora (calibration is pydoc's pool)")
+    ap.add_argument("--split", default="evaluation", choices=SPLITS,
+                    help="validation to choose settings on, evaluation for figures that are reported")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args()
-    console = Console(width=160)
+    console = Console(width=200)
     source = load_checkpoint("smollm2")
     labels = ["float"] + [v for v in (args.only or VARIANTS) if v != "float"]
-    windows = evaluation_windows(corpus_split(source.tokenizer, "pydoc").evaluation, args.windows, 512)
-    reference = teacher_logits(source.model, windows)  # float logits, once
+    sets = held_out_sets(source, args.corpora.split(","), args.split, args.windows)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for label in labels:
@@ -83,28 +101,38 @@ def main() -> None:
             variant.model = copy.deepcopy(source.model)
             result = compile_loaded(variant, variant_config(VARIANTS[label], args.samples), Path(tmp) / label)
             compile_s = time.perf_counter() - start
-            scores = compare_on_windows(source.model, load_artifact(result.path).model, windows, reference=reference)
-            ppl = scores["ppl_student"]
+            model = load_artifact(result.path).model
             summary = artifact_summary(result.path)
             fp8 = [layer for layer in summary["layers"] if layer["format"] == "fp8"]
             metrics = result.reports[0].metrics if result.reports else {}
-            rows.append({"variant": label, "ppl": ppl, "kl": scores["kl"], "top1": scores["top1_agreement"],
-                         "mib": summary["size"]["weights_bytes"] / 2**20,
-                         "fp8_layers": len(fp8), "fallback": metrics.get("fallback", 0),
-                         "fp8_bits": sum(layer["bits_per_weight"] for layer in fp8) / len(fp8) if fp8 else None,
-                         "compile_s": compile_s})
-            console.print(f"{label}: ppl {ppl:.4f}, KL {scores['kl']:.5f}, top-1 {scores['top1_agreement']:.4f}")
-    table = Table(title=f"SmolLM2-135M, pydoc, {args.windows} windows × 512 tokens, calibration {args.samples} × 512")
-    for col in ("variant", "perplexity", "Δ vs float", "KL vs float", "top-1", "fp8 layers", "fallback",
-                "bits/weight (fp8 layers)", "weights MiB", "compile s"):
-        table.add_column(col, justify="left" if col == "variant" else "right")
-    base = rows[0]["ppl"]
+            for corpus, (windows, reference) in sets.items():
+                scores = compare_on_windows(source.model, model, windows, reference=reference)
+                rows.append({"variant": label, "corpus": corpus, "windows": len(windows), "ppl": scores["ppl_student"],
+                             "kl": scores["kl"], "top1": scores["top1_agreement"],
+                             "mib": summary["size"]["weights_bytes"] / 2**20, "fp8_layers": len(fp8),
+                             "fallback": metrics.get("fallback", 0),
+                             "fp8_bits": sum(layer["bits_per_weight"] for layer in fp8) / len(fp8) if fp8 else None,
+                             "compile_s": compile_s})
+                console.print(f"{label} on {corpus}: ppl {scores['ppl_student']:.4f}, KL {scores['kl']:.5f}, "
+                              f"top-1 {scores['top1_agreement']:.4f}")
+            del model
+    console.print(results_table(rows, args))
+    if args.json:
+        args.json.write_text(json.dumps({"split": args.split, "samples": args.samples, "rows": rows}, indent=1))
+
+
+def results_table(rows: list[dict], args) -> Table:
+    table = Table(title=f"SmolLM2-135M, {args.split} split, windows × 512 tokens, calibration {args.samples} × 512 (pydoc)")
+    for col in ("variant", "corpus", "windows", "perplexity", "Δ vs float", "KL vs float", "top-1", "fp8 layers",
+                "fallback", "bits/weight (fp8 layers)", "weights MiB", "compile s"):
+        table.add_column(col, justify="left" if col in ("variant", "corpus") else "right")
+    base = {r["corpus"]: r["ppl"] for r in rows if r["variant"] == "float"}
     for r in rows:
-        table.add_row(r["variant"], f"{r['ppl']:.3f}", f"{100 * (r['ppl'] / base - 1):+.2f}%", f"{r['kl']:.4f}",
-                      f"{100 * r['top1']:.1f}%", str(r["fp8_layers"]),
-                      str(r["fallback"]), f"{r['fp8_bits']:.2f}" if r["fp8_bits"] else "-", f"{r['mib']:.1f}",
-                      f"{r['compile_s']:.0f}")
-    console.print(table)
+        table.add_row(r["variant"], r["corpus"], str(r["windows"]), f"{r['ppl']:.3f}",
+                      f"{100 * (r['ppl'] / base[r['corpus']] - 1):+.2f}%", f"{r['kl']:.4f}", f"{100 * r['top1']:.1f}%",
+                      str(r["fp8_layers"]), str(r["fallback"]), f"{r['fp8_bits']:.2f}" if r["fp8_bits"] else "-",
+                      f"{r['mib']:.1f}", f"{r['compile_s']:.0f}")
+    return table
 
 
 if __name__ == "__main__":
