@@ -89,7 +89,7 @@ class PagedKVCache:
         self.use_triton = bool(use_triton)
         self.meta: BatchMetadata | None = None
         # The torch decode path's per-step state, the same for every layer: masks per window, and the
-        # buffers K and V are gathered into (allocating them per layer cost more than the copy).
+        # buffers K and V are gathered into (reused by every layer and step rather than allocated per call).
         self._decode_masks: dict[int | None, torch.Tensor] = {}
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._workspace_numel = 0
