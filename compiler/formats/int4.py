@@ -87,6 +87,11 @@ def unpack_zeros(qzeros: torch.Tensor, n_blocks: int) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).view(qzeros.shape[0], -1)[:, :n_blocks]
 
 
+def _version(t: torch.Tensor) -> int:
+    """The version counter of a buffer (-1 for an inference tensor, which has none and is never written)."""
+    return -1 if t.is_inference() else t._version
+
+
 @register_format
 class Int4Linear(QuantizedLinear):
     """W4A16 linear layer in the layout above; ``forward`` matches ``nn.Linear``'s.
@@ -190,13 +195,13 @@ class Int4Linear(QuantizedLinear):
         """The weights in the CPU kernel's layout, built on first use and again whenever a buffer is
         replaced (``to``, ``load_state_dict(assign=True)``) or written in place (its version counter)."""
         buffers = self._buffers  # not self.qweight: nn.Module.__getattr__ costs µs on every call
-        tensors = (buffers["qweight"], buffers["scales"], buffers["qzeros"])
-        versions = tuple(-1 if t.is_inference() else t._version for t in tensors)
-        source = self._cpu_pack_source
-        if source is None or source[1] != versions or any(a is not b for a, b in zip(source[0], tensors)):
+        qweight, scales, qzeros = buffers["qweight"], buffers["scales"], buffers["qzeros"]
+        source = self._cpu_pack_source  # this runs on every call: plain comparisons, no generators
+        if (source is None or source[0] is not qweight or source[1] is not scales or source[2] is not qzeros
+                or source[3] != _version(qweight) or source[4] != _version(scales) or source[5] != _version(qzeros)):
             q, zero = self.codes()
-            self._cpu_pack = pack_for_cpu(q, self.scales, zero, self.group_size)
-            self._cpu_pack_source = (tensors, versions)
+            self._cpu_pack = pack_for_cpu(q, scales, zero, self.group_size)
+            self._cpu_pack_source = (qweight, scales, qzeros, _version(qweight), _version(scales), _version(qzeros))
         return self._cpu_pack
 
     def extra_repr(self) -> str:

@@ -12,23 +12,53 @@ Three implementations of one contract, all compared in tests on fresh random inp
 - ``triton``: the OpenAI Triton kernel in ``compiler.kernels.fp8`` (H100; CPU via TRITON_INTERPRET=1).
 
 ``fp8_gemm`` picks by device: Triton on CUDA, ``_scaled_mm`` on the CPU (the reference for group
-scales), the reference on anything else. On the CPU, FP8 saves memory, not time: with no FP8
-arithmetic there, both ``_scaled_mm`` and dequantize-matmul are slower than a float32 matmul
-(docs/BENCHMARKS.md, "FP8 GEMM on the CPU").
+scales), the reference on anything else. With no FP8 arithmetic on a CPU, both ``_scaled_mm`` and
+dequantize-matmul are slower than a float32 matmul (docs/BENCHMARKS.md, "FP8 GEMM on the CPU"),
+most of it the weight's dequantization on every call; so ``Fp8Linear`` on the CPU dequantizes its
+weight once (``dequantize_weight``, kept beside the FP8 codes) and runs ``float_weight_gemm``, the
+reference's own arithmetic on that copy: the same float32 products and sums, so the same output
+bit for bit. It costs 4 bytes per weight (float32) on top of the codes' one;
+``QCOMPILE_FP8_CPU_FLOAT_WEIGHT=0`` turns it off for a process (memory over speed).
+
+Why float32 and not the model's dtype: an E4M3 code has 4 significant bits and a float32 scale
+24, so their product needs up to 28 and is rounded even in float32 — the reference rounds it the
+same way, which is why the copy must be made with the reference's expression. In bfloat16 (8
+bits) the product would be rounded further unless the scale is a power of two, changing the numerics.
 """
 from __future__ import annotations
 
+import os
+
 import torch
+
+FLOAT_WEIGHT_SWITCH = "QCOMPILE_FP8_CPU_FLOAT_WEIGHT"
+
+
+def float_weight_enabled() -> bool:
+    """Whether ``Fp8Linear`` on the CPU keeps a float32 copy of its weight (unless turned off by
+    ``QCOMPILE_FP8_CPU_FLOAT_WEIGHT=0``)."""
+    return os.environ.get(FLOAT_WEIGHT_SWITCH, "1") != "0"
+
+
+def dequantize_weight(b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    """FP8 weight [N, K] and its scales [N] or [1] -> the float32 weight the reference multiplies by."""
+    return b.float() * b_scale.float()[:, None]
+
+
+def float_weight_gemm(a, a_scale, w, bias=None, out_dtype=torch.float32) -> torch.Tensor:
+    """``dequant_gemm`` on a weight already dequantized by ``dequantize_weight``: FP8 activations
+    ``a`` [M, K] with their scales (as in ``fp8_gemm``), float32 ``w`` [N, K]."""
+    sa = a_scale.float()
+    sa = sa.repeat_interleave(a.shape[1] // sa.shape[1], dim=1) if sa.dim() == 2 else sa[:, None]
+    y = (a.float() * sa) @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
 
 
 def dequant_gemm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.float32) -> torch.Tensor:
     """Reference: dequantize both operands to float32, then an ordinary matmul."""
-    sa = a_scale.float()
-    sa = sa.repeat_interleave(a.shape[1] // sa.shape[1], dim=1) if sa.dim() == 2 else sa[:, None]
-    y = (a.float() * sa) @ (b.float() * b_scale.float()[:, None]).t()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(out_dtype)
+    return float_weight_gemm(a, a_scale, dequantize_weight(b, b_scale), bias, out_dtype)
 
 
 def _rowwise(scale: torch.Tensor, n: int) -> torch.Tensor:

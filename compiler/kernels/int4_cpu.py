@@ -132,15 +132,21 @@ def pack_for_cpu(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 
 def int4_cpu_matmul(x: torch.Tensor, pack: Int4CpuPack, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (K <= K_padded; the rest is zero-padded) -> [..., N] in x's dtype, plus ``bias``."""
-    k = x.shape[-1]
-    a = x.reshape(-1, k).to(COMPUTE_DTYPE)
+    shape = x.shape
+    k = shape[-1]
+    a = x.reshape(-1, k).to(COMPUTE_DTYPE, memory_format=torch.contiguous_format)
     if k != pack.padded_in_features:  # padded codes dequantize to 0, so zero activations add nothing
         a = F.pad(a, (0, pack.padded_in_features - k))
-    y = _int4pack_mm(a.contiguous(), pack.weight, pack.group_size, pack.scales_and_zeros).to(x.dtype)
+    y = _int4pack_mm(a, pack.weight, pack.group_size, pack.scales_and_zeros).to(x.dtype)
     if bias is not None:
         y += bias.to(x.dtype)
-    return y.view(x.shape[:-1] + y.shape[-1:])
+    return y.view(shape[:-1] + y.shape[-1:])
 
 
 def _int4pack_mm(a, weight, group_size, scales_and_zeros):
-    return torch.ops.aten._weight_int4pack_mm_for_cpu.default(a, weight, group_size, scales_and_zeros)
+    return _INT4PACK_MM(a, weight, group_size, scales_and_zeros)
+
+
+# Looked up once: each ``torch.ops.aten.NAME`` is a Python attribute lookup costing µs per decode-step call.
+_INT4PACK_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+_INT4PACK_MM = _INT4PACK_MM.default if _INT4PACK_MM is not None else None

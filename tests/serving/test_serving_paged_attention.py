@@ -149,6 +149,31 @@ def test_paged_cache_attend_mixes_decode_and_prefill():
     assert rel_err(out[:, :, :3], want_a) < 1e-5 and rel_err(out[:, :, 3:], want_b) < 1e-5
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_only_steps_reuse_buffers_and_equal_the_reference(window):
+    """A decode-only step (no query gather, the step's mask and gather buffers shared by the layers)
+    gives the reference's output bit for bit, in every layer and again after the batch shrinks."""
+    hq, hkv, d, bs = 4, 2, 8, 4
+    lens = [3, 17, 9]
+    k_cache, v_cache, tables, _ = scatter_sequences(lens, 24, bs, hkv, d, seed=7)
+    cache = PagedKVCache(KVCacheSpec(2, 24, bs, hkv, d, torch.float32), sliding_window=window)
+    g = torch.Generator().manual_seed(8)
+    for rows in (slice(0, 3), slice(1, 2)):  # three sequences, then one: the buffers are views of the first
+        t, lens_t = tables[rows], torch.tensor(lens)[rows]
+        slots = torch.tensor([int(t[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens_t.tolist())])
+        cache.set_batch(BatchMetadata(slot_mapping=slots, decode_token_idx=torch.arange(len(slots)),
+                                      decode_block_tables=t, decode_seq_lens=lens_t))
+        for layer in range(2):
+            cache.k[layer].copy_(k_cache)
+            cache.v[layer].copy_(v_cache)
+            q = torch.randn(1, hq, len(slots), d, generator=g)
+            k, v = torch.randn(1, hkv, len(slots), d, generator=g), torch.randn(1, hkv, len(slots), d, generator=g)
+            out = cache.attend(layer, q, k, v, torch.tensor([lens_t.tolist()]) - 1)
+            want = paged_decode_reference(q[0].transpose(0, 1), cache.k[layer], cache.v[layer], t, lens_t,
+                                          sliding_window=window)
+            assert torch.equal(out[0].transpose(0, 1), want)
+
+
 def test_engine_decodes_through_the_triton_kernel(triton_kernel, kernel_device, tiny_checkpoint):
     """The engine's CUDA path (decode via the kernel; on the CPU, run by the interpreter): the greedy
     tokens of the torch model on the CPU."""

