@@ -53,12 +53,14 @@ from compiler.pipeline.calibration import (
 )
 from compiler.progress import track
 from passes.awq_plan import (
+    MIN_EXPERT_TOKENS,
     NO_CLIP,
     SCALING_GROUPS,
     AWQOptions,
     LayerPlan,
     ScalingGroup,
     plan_layers,
+    scaling_groups,
     smaller_groups,
 )
 from passes.awq_search import (
@@ -103,9 +105,9 @@ class AWQPass(Pass):
         cos, sin = model.rope(positions, x.dtype)
         prefix_of = {id(b): f"layers.{i}." for i, b in enumerate(model.layers)}
         k = min(opts.module_sequences, positions.shape[0])
-        for block in track(model.layers, "awq: blocks", total=len(model.layers)):
+        for i, block in enumerate(track(model.layers, "awq: blocks", total=len(model.layers))):
             sample = (x[:k], cos[:k], sin[:k], positions[:k])  # the block's float inputs, for module scoring
-            x, stats = self._capture(block, x, cos, sin, positions, sampler)
+            x, stats = self._capture(block, scaling_groups(model.config, i), x, cos, sin, positions, sampler)
             worker = BlockQuantizer(model, prefix_of[id(block)], plans, opts, context.target)
             report.layers += worker.run(stats, sample)
         report.metrics = _metrics(report.layers, windows, opts)
@@ -114,14 +116,20 @@ class AWQPass(Pass):
         report.notes.append(f"α grid of {opts.alpha_grid} (duo scaling {opts.duo_scaling}), "
                             f"{scoring}; clip search skips q_proj/k_proj (as llm-awq); "
                             f"{'GPTQ' if opts.weight_rounding == 'gptq' else 'round-to-nearest'} rounding")
+        if model.config.spec.ffn == "deepseek_moe":
+            report.notes.append(
+                "DeepSeek-V3: the router stays float and its weight columns take post_attention_layernorm's "
+                "scales; routed experts' gate/up are scaled on every token (their shared input), each down_proj "
+                f"on the tokens routed to its expert (fewer than {MIN_EXPERT_TOKENS}: no scaling, see each "
+                "row's reason); o_proj is clipped and quantized without smoothing, as llm-compressor")
         return report
 
     @staticmethod
-    def _capture(block, x, cos, sin, positions, sampler: TokenSampler):
+    def _capture(block, groups: tuple[ScalingGroup, ...], x, cos, sin, positions, sampler: TokenSampler):
         """Run the float block over every sequence; return its outputs and, per scaling group's
-        first linear, mean |x| and the Gram matrix of the sampled tokens of its input."""
-        groups = SCALING_GROUPS[block.self_attn.config.architecture]
-        requests = {g.linears[0]: InputRequest(mean_abs=True, gram="sampled") for g in groups}
+        observed module, mean |x| and the Gram matrix of the sampled tokens of its input (of all
+        of them for a routed expert's, which sees only some of the tokens)."""
+        requests = {g.observed: InputRequest(mean_abs=True, gram="all" if g.routed else "sampled") for g in groups}
         out, stats = collect_block(block, x, cos, sin, positions, requests, sampler)
         return out, stats.inputs
 
@@ -133,6 +141,7 @@ class BlockQuantizer:
         self.model, self.prefix, self.plans, self.opts, self.target = model, prefix, plans, opts, target
         self.block = model.get_submodule(prefix.rstrip("."))
         self.config = model.config
+        self.groups = scaling_groups(self.config, int(prefix.split(".")[1]))
         self.inspected: dict[str, tuple[tuple, torch.Tensor]] = {}  # set by run(); empty: Gram loss only
 
     def run(self, stats: dict[str, InputStatistics], sample: tuple) -> list[LayerDecision]:
@@ -140,6 +149,9 @@ class BlockQuantizer:
         block inputs (x, cos, sin, positions) of a few calibration sequences for module scoring."""
         self.inspected = self._inspect_modules(sample)
         rows, hessians = self.search_and_fold(stats)
+        left = [n for n in self.plans if n.startswith(self.prefix) and n[len(self.prefix):] not in rows]
+        if left:  # a planned linear no scaling group names would stay float against its plan
+            raise RuntimeError(f"awq: no scaling group of {self.config.architecture} covers {', '.join(left)}")
         for name, row in rows.items():
             metrics, why = self._quantize(name, hessians[name])
             row.metrics.update(metrics)
@@ -150,14 +162,14 @@ class BlockQuantizer:
     def search_and_fold(self, stats: dict[str, InputStatistics]) -> tuple[dict[str, LayerDecision], dict[str, torch.Tensor]]:
         """Steps 2-3: the block's float function is unchanged; returns report rows and the
         Gram matrices of each linear's (now scaled) input."""
-        groups = SCALING_GROUPS[self.config.architecture]
         rows: dict[str, LayerDecision] = {}
         hessians: dict[str, torch.Tensor] = {}
         searched = []
         # Search every group on the original block first (as llm-awq does), then fold all scales.
-        for group in groups:
-            st = stats[group.linears[0]]
-            h = st.hessian
+        for group in self.groups:
+            st = stats[group.observed]
+            few = group.routed and st.tokens < MIN_EXPERT_TOKENS
+            h = torch.eye(st.mean_abs.numel()) if few else st.hessian  # too few tokens: the weight error alone
             for name in group.linears:
                 hessians[name] = h
                 if (plan := self.plans.get(self.prefix + name)) is not None:
@@ -165,7 +177,12 @@ class BlockQuantizer:
                     rtn = relative_error(w, quant_error(w, plan.group_size, self.opts.zero_point), h)
                     rows[name] = LayerDecision(plan.name, "int4", plan.reason, {
                         "group_size": plan.group_size, "scale_group": _group_label(group), "rel_error_rtn": rtn})
-            searched.append((group, self._search(group, st, h)))
+                    if group.routed:
+                        rows[name].metrics["tokens"] = st.tokens
+                    if few:
+                        rows[name].reason += (f"; its expert received {st.tokens} calibration tokens (< "
+                                              f"{MIN_EXPERT_TOKENS}): no scaling, clip and rounding on the weight error")
+            searched.append((group, None if few else self._search(group, st, h)))
         for group, found in searched:
             if found is None:
                 continue
@@ -179,7 +196,7 @@ class BlockQuantizer:
 
     def _inspect_modules(self, sample: tuple) -> dict[str, tuple[tuple, torch.Tensor]]:
         """Float (args, output) of each group's ``inspect`` module on the sample sequences."""
-        names = {g.inspect for g in SCALING_GROUPS[self.config.architecture] if g.inspect}
+        names = {g.inspect for g in self.groups if g.inspect}
         if self.opts.module_candidates < 2 or sample[0].shape[0] == 0:
             return {}
         seen, hooks = {}, []
@@ -225,8 +242,8 @@ class BlockQuantizer:
 
     def _search(self, group: ScalingGroup, st: InputStatistics, h: torch.Tensor):
         converted = [n for n in group.linears if self.prefix + n in self.plans]
-        if not converted:
-            return None  # nothing quantized here: no reason to move the scales
+        if not converted or group.prev is None:
+            return None  # nothing quantized here, or nothing to fold into: no reason to move the scales
         expand = self._expand(group)
         c = self.block.get_submodule(group.prev).weight.shape[0]
         to_channels = (lambda v: v) if expand is None else (lambda v: _average_by(v, expand, c))  # columns -> prev's channels
@@ -295,7 +312,8 @@ def _average_by(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tens
 
 
 def _group_label(group: ScalingGroup) -> str:
-    return f"{group.prev} → {', '.join(n.rpartition('.')[2] for n in group.linears)}"
+    kinds = dict.fromkeys(n.rpartition('.')[2] for n in group.linears)  # experts' gate/up: named once
+    return f"{group.prev or '(no smoothing)'} → {', '.join(kinds)}"
 
 
 def _metrics(layers: list[LayerDecision], windows: torch.Tensor, opts: AWQOptions) -> dict:

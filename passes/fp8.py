@@ -50,6 +50,7 @@ from compiler.pipeline import (
     register_pass,
 )
 from compiler.pipeline.calibration import (
+    MIN_CALIBRATION_TOKENS,
     CalibrationStatistics,
     InputRequest,
     InputStatistics,
@@ -155,7 +156,12 @@ class Fp8Pass(Pass):
         return {n: self.options.format_for(linears[n]).to_dict() for n in self._select(model)[0]}
 
     def check(self, config: ModelConfig) -> None:
-        if config.spec.is_moe:  # its router would be cast and its experts calibrated on the whole token count
+        if config.spec.attention == "mla" and self.options.kv_cache_dtype != "none":
+            raise ConfigError(f"fp8 kv_cache_dtype is not supported for {config.architecture}: its cache holds MLA's "
+                              "latent, which has no calibrated FP8 scales; use kv_cache_dtype = \"none\"")
+        # A router would be cast (DeepSeek-V3's is no Linear: it stays float) and the experts calibrated
+        # on the whole token count.
+        if config.spec.is_moe and config.spec.ffn != "deepseek_moe":
             raise ConfigError(f"fp8 cannot quantize {config.architecture} yet: mixture-of-experts needs a float router "
                               "and per-expert calibration; use a dense architecture")
         model = meta_model(config)
@@ -243,6 +249,9 @@ class Fp8Pass(Pass):
     def _convert(self, model: Transformer, name: str, stats: InputStatistics | None) -> LayerDecision:
         """Quantize one Linear; keep it in float if its error on calibration rows is too high."""
         o = self.options
+        if stats is not None and stats.tokens < MIN_CALIBRATION_TOKENS:  # an expert the router seldom chose
+            return LayerDecision(name, "float", f"its input received {stats.tokens} calibration tokens "
+                                 f"(< {MIN_CALIBRATION_TOKENS}): kept in float, not calibrated", {"tokens": stats.tokens})
         linear = model.get_submodule(name)
         fmt = o.format_for(linear)
         input_scale = self._input_scale(stats.token_amax) if fmt.static else None
@@ -252,6 +261,8 @@ class Fp8Pass(Pass):
             weight, scale = self._gptq_weight(linear, stats.hessian, outliers)
         q = Fp8Linear.from_linear(linear, fmt, input_scale, weight, scale, shift, outliers)
         row = LayerDecision(name, "fp8", "requested")
+        if stats is not None and ".experts." in name:
+            row.metrics["tokens"] = stats.tokens  # those the router sent this expert
         if input_scale is not None:
             row.metrics["input_scale"] = input_scale
         if o.max_layer_error is not None:

@@ -29,7 +29,8 @@ class PagedKVPass(Pass):
             kv_dtype = kv_cache["dtype"] if kv_cache else str(model.embed_tokens.weight.dtype).removeprefix("torch.")
         if kv_dtype == "float8_e4m3fn" and not kv_cache:
             raise ConfigError("paged_kv: kv_dtype float8_e4m3fn needs K/V scales; run the fp8 pass before paged_kv, or use kv_dtype = \"auto\"")
-        per_block = bytes_per_block(plan.block_size, c.n_layers, c.n_kv_heads, c.head_dim, KV_DTYPES[kv_dtype])
+        heads, dim, values = c.kv_cache_layout
+        per_block = bytes_per_block(plan.block_size, c.n_layers, heads, dim, KV_DTYPES[kv_dtype], values)
         num_blocks = plan.num_blocks or max(1, int(plan.kv_memory_mb * 2**20) // per_block)
         resolved = {**plan.to_dict(), "kv_dtype": kv_dtype, "num_blocks": num_blocks}
         context.manifest_extras["serving"] = resolved

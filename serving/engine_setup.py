@@ -29,12 +29,16 @@ def build_kv_cache(model: torch.nn.Module, plan: ServingPlan, device: torch.devi
     c = model.config
     dtype = resolve_kv_dtype(plan, model.embed_tokens.weight.dtype, kv_cache)
     k_scales = v_scales = None
+    heads, dim, values = c.kv_cache_layout
     if dtype == torch.float8_e4m3fn:
+        if not values:
+            raise ArtifactError(f"an FP8 KV cache is not supported for {c.architecture}'s latent (MLA) cache; "
+                                "serve it with kv_dtype = \"auto\"")
         if not kv_cache:
             raise ArtifactError("an FP8 KV cache needs calibrated K/V scales in manifest['kv_cache']; run the fp8 pass")
         _, k, v = parse_kv_scales(kv_cache, c)
         k_scales, v_scales = list(k[:, :, None]), list(v[:, :, None])  # per layer [1 or Hkv, 1]: broadcasts over [Hkv, D]
     num_blocks = plan.num_blocks or max(1, int(plan.kv_memory_mb * 2**20) // bytes_per_block(
-        plan.block_size, c.n_layers, c.n_kv_heads, c.head_dim, dtype))
-    spec = KVCacheSpec(c.n_layers, num_blocks, plan.block_size, c.n_kv_heads, c.head_dim, dtype)
+        plan.block_size, c.n_layers, heads, dim, dtype, values))
+    spec = KVCacheSpec(c.n_layers, num_blocks, plan.block_size, heads, dim, dtype, keys_only=not values)
     return PagedKVCache(spec, device, k_scales, v_scales, c.sliding_windows)

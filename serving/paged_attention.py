@@ -74,7 +74,7 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # GQA without copying K/V per query head: fold each KV head's query group into the query axis.
     qg = q.reshape(S, Hkv, -1, q.shape[-1])  # [S, Hkv, G, D]
     out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask)
-    return out.reshape(q.shape)
+    return out.reshape(*q.shape[:-1], values.shape[-1])  # V's width may differ from q's (MLA)
 
 
 def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -93,4 +93,4 @@ def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     G = Hq // Hkv
     qg = q.reshape(Hkv, G * Tq, D)  # a KV head's G query heads, one after the other on the query axis
     out = F.scaled_dot_product_attention(qg, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask.repeat(1, G, 1))
-    return out.reshape(Hq, Tq, D)
+    return out.reshape(Hq, Tq, values.shape[-1])

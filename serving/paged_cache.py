@@ -36,10 +36,12 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    keys_only: bool = False  # MLA: one latent vector per token (K's tensor), no V
 
     @property
     def bytes_per_block(self) -> int:
-        return bytes_per_block(self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        return bytes_per_block(self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
+                               values=not self.keys_only)
 
     @property
     def total_bytes(self) -> int:
@@ -78,7 +80,8 @@ class PagedKVCache:
         self.device = torch.device(device)
         shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.k = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.v = [] if spec.keys_only else [torch.zeros(shape, dtype=spec.dtype, device=self.device)
+                                            for _ in range(spec.num_layers)]
         self.k_scales = [s.to(self.device) for s in k_scales] if k_scales else None  # per layer, [Hkv, 1] or [1, 1]
         self.v_scales = [s.to(self.device) for s in v_scales] if v_scales else None
         if spec.dtype == torch.float8_e4m3fn and not (self.k_scales and self.v_scales):
@@ -169,3 +172,48 @@ class PagedKVCache:
             num_tokens = meta.decode_block_tables.shape[1] * self.spec.block_size
             mask = self._decode_masks[window] = decode_mask(meta.decode_seq_lens, num_tokens, window)
         return mask
+
+    def attend_latent(self, layer_idx: int, q: torch.Tensor, latent: torch.Tensor, positions: torch.Tensor,
+                      expand) -> torch.Tensor:
+        """MLA: q [1, H, T, Dk]; latent [1, 1, T, Dl]; expand as ``KVCache.attend_latent`` -> [1, H, T, Dv].
+
+        The latent is written through the slot mapping like K; each read expands the blocks a
+        sequence reads into K/V blocks and attends over them with the torch reference (no Triton
+        kernel for MLA yet). Every decode sequence expands all of its table's blocks, padding
+        included (masked); a sequence's result does not depend on what else is in the batch."""
+        meta = self.meta
+        if meta is None or q.shape[0] != 1 or not self.spec.keys_only:
+            raise RuntimeError("PagedKVCache.attend_latent needs a keys-only (MLA) cache, set_batch() and a [1, T] batch")
+        cache = self.k[layer_idx]
+        cache.view(-1, 1, self.spec.head_dim)[meta.slot_mapping] = latent[0].transpose(0, 1).to(cache.dtype)
+        window = self.sliding_windows[layer_idx]
+        q_tok = q[0].transpose(0, 1)  # [T, H, Dk]
+        parts: list[tuple[torch.Tensor | slice, torch.Tensor]] = []
+        if meta.decode_token_idx.numel():
+            tables = meta.decode_block_tables
+            k, v = _expand_blocks(cache, tables.flatten(), expand, q.dtype)
+            local = torch.arange(tables.numel(), device=tables.device).view(tables.shape)
+            parts.append((meta.decode_token_idx, paged_decode_reference(
+                q_tok[meta.decode_token_idx], k, v, local, meta.decode_seq_lens, None, None, window)))
+        pos = positions[0]
+        for p in meta.prefills:
+            sl = slice(p.q_start, p.q_start + p.q_len)
+            k, v = _expand_blocks(cache, p.block_ids, expand, q.dtype)
+            local = torch.arange(len(p.block_ids), device=p.block_ids.device)
+            o = paged_prefill_reference(q_tok[sl].transpose(0, 1), k, v, local, pos[sl], p.context_len,
+                                        None, None, window)
+            parts.append((sl, o.transpose(0, 1)))
+        out = q_tok.new_empty(q_tok.shape[0], q_tok.shape[1], parts[0][1].shape[-1])  # [T, H, Dv]
+        for where, o in parts:
+            out[where] = o
+        return out.transpose(0, 1)[None]
+
+
+def _expand_blocks(cache: torch.Tensor, block_ids: torch.Tensor, expand, dtype: torch.dtype):
+    """The latent blocks ``block_ids`` [M] of ``cache`` [N, bs, 1, Dl] as K and V blocks
+    [M, bs, H, Dk], [M, bs, H, Dv] (block i of the result is block ``block_ids[i]``)."""
+    M, bs = block_ids.numel(), cache.shape[1]
+    latent = cache[block_ids].to(dtype).reshape(1, 1, M * bs, cache.shape[-1])
+    k, v = expand(latent)  # [1, H, M * bs, D]
+    return (k[0].transpose(0, 1).reshape(M, bs, k.shape[1], -1),
+            v[0].transpose(0, 1).reshape(M, bs, v.shape[1], -1))

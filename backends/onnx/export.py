@@ -31,8 +31,8 @@ from compiler.model.transformer import Transformer
 EXTERNAL_THRESHOLD = 1024  # bytes: tensors above this go to weights.data
 # What graph.py builds by hand: the Llama-family layer (an RMSNorm before attention and one before
 # a SwiGLU MLP, one RoPE table, one window for every layer). Qwen3 / Gemma 3 (q/k norms, Gemma's
-# norms and GeGLU, per-layer windows and RoPE bases) and the MoE architectures (routers, experts)
-# would export as a wrong graph, so they are refused here.
+# norms and GeGLU, per-layer windows and RoPE bases), the MoE architectures (routers, experts) and
+# DeepSeek-V3's latent attention would export as a wrong graph, so they are refused here.
 LOWERABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # The manifest entries (beyond the artifact's own, compiler.io.artifact.CORE_KEYS) an ONNX bundle lowers.
 LOWERED_ENTRIES = frozenset({"kv_cache", "serving"})

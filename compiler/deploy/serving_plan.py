@@ -58,6 +58,7 @@ class ServingPlan:
         return cls(**{k: v for k, v in (d or {}).items() if k in known})
 
 
-def bytes_per_block(block_size: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V for ``block_size`` tokens in every layer."""
-    return 2 * n_layers * block_size * n_kv_heads * head_dim * dtype.itemsize
+def bytes_per_block(block_size: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    values: bool = True) -> int:
+    """K and V (K alone without ``values``: MLA's latent) for ``block_size`` tokens in every layer."""
+    return (2 if values else 1) * n_layers * block_size * n_kv_heads * head_dim * dtype.itemsize

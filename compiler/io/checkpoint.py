@@ -52,7 +52,8 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
     """Assign streamed tensors into a meta-device model; every parameter must be present."""
     with torch.device("meta"):
         model = Transformer(config)
-    expected = {k for k in model.state_dict() if not (config.tie_embeddings and k == "lm_head.weight")}
+    shapes = {k: v.shape for k, v in model.state_dict().items()}  # parameters and persistent buffers
+    expected = {k for k in shapes if not (config.tie_embeddings and k == "lm_head.weight")}
     state = {}
     for name, tensor in tensors:
         if name.startswith("model."):
@@ -66,7 +67,7 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
     if missing:
         raise CheckpointError(f"{where}: missing tensors {missing[:3]}{' ...' if len(missing) > 3 else ''}; the checkpoint is incomplete")
     for name, tensor in state.items():
-        want = model.get_parameter(name).shape
+        want = shapes[name]
         if tensor.shape != want:
             raise CheckpointError(f"{where}: tensor {name} has shape {tuple(tensor.shape)}, config implies {tuple(want)}")
     model.load_state_dict(state, strict=False, assign=True)

@@ -29,10 +29,14 @@ class ArchSpec:
     sandwich_norms: bool = False
     scale_embeddings: bool = False  # Gemma: embeddings times √dim
     activation: Literal["silu", "gelu_tanh"] = "silu"
+    # "gqa": q/k/v_proj heads (``layers.Attention``); "mla": DeepSeek's multi-head latent
+    # attention, low-rank q and kv projections with decoupled RoPE (``mla.MLAttention``).
+    attention: Literal["gqa", "mla"] = "gqa"
     # The feed-forward: "dense" (``mlp``: gate/up/down_proj), or routed experts: "qwen_moe"
     # (``mlp.gate`` router, ``mlp.experts.N.{gate,up,down}_proj``), "mixtral"
-    # (``block_sparse_moe.gate``, ``block_sparse_moe.experts.N.{w1,w3,w2}``).
-    ffn: Literal["dense", "qwen_moe", "mixtral"] = "dense"
+    # (``block_sparse_moe.gate``, ``block_sparse_moe.experts.N.{w1,w3,w2}``), "deepseek_moe"
+    # (``mlp.gate`` grouped sigmoid router, ``mlp.experts.N.*`` plus ``mlp.shared_experts.*``).
+    ffn: Literal["dense", "qwen_moe", "mixtral", "deepseek_moe"] = "dense"
 
     @property
     def is_moe(self) -> bool:
@@ -48,6 +52,7 @@ ARCHITECTURES = {spec.name: spec for spec in (
              scale_embeddings=True, activation="gelu_tanh"),
     ArchSpec("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, ffn="qwen_moe"),
     ArchSpec("MixtralForCausalLM", "mixtral", ffn="mixtral"),
+    ArchSpec("DeepseekV3ForCausalLM", "deepseek_v3", attention="mla", ffn="deepseek_moe"),
 )}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 ARCHITECTURE_OF_MODEL_TYPE = {spec.model_type: spec.name for spec in ARCHITECTURES.values()}

@@ -49,6 +49,22 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: list[int] | None = None
+    # DeepSeek-V3's router: sigmoid scores plus ``e_score_correction_bias`` choose the top
+    # ``topk_group`` of ``n_group`` expert groups, then the top-k experts within them; the chosen
+    # weights (renormalised with ``norm_topk_prob``) are scaled by ``routed_scaling_factor``.
+    # ``n_shared_experts`` experts of ``moe_intermediate_size`` each (as one MLP) see every token.
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # Multi-head latent attention (DeepSeek-V3): q through a rank-``q_lora_rank`` bottleneck (0: one
+    # q_proj), K/V from a rank-``kv_lora_rank`` latent; per head qk_nope_head_dim channels without
+    # RoPE and ``head_dim`` (= qk_rope_head_dim) with it, shared by all heads; values of v_head_dim.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # DeepSeek: RoPE rotates adjacent pairs (x0, x1), (x2, x3), ...
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -59,6 +75,7 @@ class ModelConfig:
             raise CheckpointError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         self._check_layer_types()
         self._check_experts()
+        self._check_mla()
 
     def _check_layer_types(self) -> None:
         if self.layer_types is None:
@@ -78,6 +95,29 @@ class ModelConfig:
             raise CheckpointError(f"{self.architecture}: num_experts={self.num_experts}, num_experts_per_tok="
                                   f"{self.num_experts_per_tok} and moe_intermediate_size={self.moe_intermediate_size} "
                                   "must be positive, with num_experts_per_tok <= num_experts")
+
+    def _check_mla(self) -> None:
+        if self.spec.attention != "mla":
+            return
+        if min(self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim, self.head_dim) < 1 or self.head_dim % 2:
+            raise CheckpointError(f"{self.architecture}: kv_lora_rank={self.kv_lora_rank}, qk_nope_head_dim="
+                                  f"{self.qk_nope_head_dim}, v_head_dim={self.v_head_dim} must be positive and "
+                                  f"qk_rope_head_dim={self.head_dim} positive and even")
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group or \
+                self.num_experts // self.n_group < 2 or self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+            raise CheckpointError(f"{self.architecture}: n_routed_experts={self.num_experts} must split into "
+                                  f"n_group={self.n_group} groups of at least 2, with topk_group={self.topk_group} <= "
+                                  f"n_group holding at least num_experts_per_tok={self.num_experts_per_tok} experts")
+
+    @property
+    def kv_cache_layout(self) -> tuple[int, int, bool]:
+        """(heads, dim, with values): what the KV cache holds per token and layer. K and V of
+        n_kv_heads x head_dim each, or for MLA its latent alone: one vector of kv_lora_rank +
+        qk_rope_head_dim (the normalised c_kv and the roped shared key), from which attention
+        expands K and V with kv_b_proj (``compiler/model/mla.py``)."""
+        if self.spec.attention == "mla":
+            return 1, self.kv_lora_rank + self.head_dim, False
+        return self.n_kv_heads, self.head_dim, True
 
     @property
     def spec(self) -> ArchSpec:

@@ -19,6 +19,7 @@ from compiler.model.architectures import (
 )
 
 ROPE_TYPES = ("default", "linear", "llama3")
+MLA_ROPE_TYPES = (*ROPE_TYPES, "yarn")  # DeepSeek-V3 ships with yarn (its attention reads the mscale too)
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
@@ -37,26 +38,26 @@ def hf_architecture(hf: dict) -> str:
     return arch
 
 
-def _rope_scaling(params: dict | None) -> dict | None:
+def _rope_scaling(params: dict | None, supported: tuple[str, ...] = ROPE_TYPES) -> dict | None:
     """A RoPE scaling entry (HF ``rope_scaling`` or a ``rope_parameters`` dict): None when default."""
     if not params:
         return None
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise CheckpointError(f"unsupported rope scaling {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    if rope_type not in supported:
+        raise CheckpointError(f"unsupported rope scaling {rope_type!r}; supported: {', '.join(supported)}")
     if rope_type == "default":
         return None
     return {**{k: v for k, v in params.items() if k not in ("rope_theta", "type")}, "rope_type": rope_type}
 
 
-def _rope(hf: dict) -> tuple[float | None, dict | None]:
+def _rope(hf: dict, supported: tuple[str, ...] = ROPE_TYPES) -> tuple[float | None, dict | None]:
     """(theta, scaling) of a single-RoPE architecture."""
     params = hf.get("rope_parameters")  # transformers >= 5 nests theta and scaling here
     theta, scaling = hf.get("rope_theta"), hf.get("rope_scaling")
     if isinstance(params, dict):
         theta = theta or params.get("rope_theta")
         scaling = scaling or (params if params.get("rope_type", "default") != "default" else None)
-    return theta, _rope_scaling(scaling)
+    return theta, _rope_scaling(scaling, supported)
 
 
 def _gemma_rope(hf: dict) -> dict[str, Any]:
@@ -109,6 +110,33 @@ def _moe(hf: dict, arch: str) -> dict[str, Any]:
                          moe_layers=moe_layers)
 
 
+def _deepseek(hf: dict) -> dict[str, Any]:
+    """DeepSeek-V3: multi-head latent attention, and routed plus shared experts after the first
+    ``first_k_dense_replace`` dense layers (``moe_layer_freq`` 1, as every released checkpoint)."""
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if hf.get(key, want) != want:
+            raise CheckpointError(f"DeepseekV3ForCausalLM with {key}={hf[key]!r} is not supported (DeepSeek-V3 uses {want!r})")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise CheckpointError(f"DeepseekV3ForCausalLM checkpoint quantized with {method!r} is not supported; "
+                              "load a bfloat16 or float32 checkpoint (dequantize it first)")
+    theta, scaling = _rope(hf, MLA_ROPE_TYPES)
+    first_dense = hf.get("first_k_dense_replace") or 0
+    experts = hf.get("n_routed_experts") or 0
+    return dict(
+        rope_theta=theta or 10000.0, rope_scaling=scaling, qkv_bias=bool(hf.get("attention_bias")),
+        o_bias=bool(hf.get("attention_bias")), head_dim=hf["qk_rope_head_dim"],
+        n_kv_heads=hf["num_attention_heads"],  # MLA has no KV heads of its own: every head reads the latent
+        q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"], v_head_dim=hf["v_head_dim"],
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+        num_experts=experts, num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+        moe_intermediate_size=hf["moe_intermediate_size"], norm_topk_prob=bool(hf.get("norm_topk_prob")),
+        moe_layers=[i for i in range(hf["num_hidden_layers"]) if i >= first_dense] if experts else [],
+        n_shared_experts=hf.get("n_shared_experts") or 0, n_group=hf.get("n_group") or 1,
+        topk_group=hf.get("topk_group") or 1, routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)))
+
+
 def _architecture_fields(hf: dict, arch: str) -> dict[str, Any]:
     """The fields that differ per architecture (biases, windows, RoPE bases, experts)."""
     bias = bool(hf.get("attention_bias", False))
@@ -124,6 +152,8 @@ def _architecture_fields(hf: dict, arch: str) -> dict[str, Any]:
             sliding_window=hf.get("sliding_window") if SLIDING in layer_types else None,
             query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
             final_logit_softcapping=hf.get("final_logit_softcapping"))
+    if arch == "DeepseekV3ForCausalLM":
+        return _deepseek(hf)
     theta, scaling = _rope(hf)
     fields = dict(rope_theta=theta or 10000.0, rope_scaling=scaling, qkv_bias=bias, o_bias=bias)
     if arch == "MixtralForCausalLM":

@@ -70,6 +70,8 @@ def _inv_freq(theta: float, head_dim: int, scaling: dict | None) -> torch.Tensor
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(inv_freq, theta, d, scaling)
     factor, low, high = scaling["factor"], scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     old_len = scaling["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old_len / low, old_len / high
@@ -79,6 +81,26 @@ def _inv_freq(theta: float, head_dim: int, scaling: dict | None) -> torch.Tensor
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, theta: float, d: int, scaling: dict) -> torch.Tensor:
+    """YaRN (Peng et al. 2023) as transformers computes it: interpolated (/ factor) frequencies for
+    the slow dimensions, the original ones for the fast, a linear ramp between ``beta_slow`` and
+    ``beta_fast`` rotations over the original context. Its attention factor: ``mla.yarn_factors``."""
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns ``rotations`` times over old_len
+        return d * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the original frequency), 0: interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -62,10 +62,14 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         flat = x.reshape(-1, D)  # [N, dim]
-        weights, ids = self.route(flat)
-        out = torch.zeros_like(flat)
-        for e in ids.unique().tolist():  # ascending, and each expert's tokens by slot then token, as transformers
-            slot, token_idx = torch.where(ids.T == e)
-            y = self.experts[e](flat[token_idx]) * weights[token_idx, slot, None]
-            out.index_add_(0, token_idx, y.to(out.dtype))
-        return out.reshape(B, T, D)
+        return run_experts(self.experts, flat, *self.route(flat)).reshape(B, T, D)
+
+
+def run_experts(experts: nn.ModuleList, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Sum over each token's experts of weight * expert(token): flat [N, dim], weights and ids [N, k]."""
+    out = torch.zeros_like(flat)
+    for e in ids.unique().tolist():  # ascending, and each expert's tokens by slot then token, as transformers
+        slot, token_idx = torch.where(ids.T == e)
+        y = experts[e](flat[token_idx]) * weights[token_idx, slot, None]
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out

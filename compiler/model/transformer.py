@@ -1,5 +1,6 @@
 """The decoder, assembled from ``layers.py`` and ``moe.py`` by the architecture's ``ArchSpec``, in
-the spirit of gpt-fast: Llama, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, Mixtral.
+the spirit of gpt-fast: Llama, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, Mixtral, DeepSeek-V3
+(its attention in ``mla.py``, its experts in ``deepseek_moe.py``).
 
 Module names mirror Hugging Face's (``layers.N.self_attn.q_proj``, ``mlp.down_proj``, ``lm_head``)
 so checkpoints load by name and ``modules_to_not_convert`` patterns read as users expect.
@@ -10,8 +11,10 @@ import torch
 import torch.nn as nn
 
 from compiler.model.config import ModelConfig
+from compiler.model.deepseek_moe import DeepseekMoE
 from compiler.model.kv_cache import ContiguousKVCache, KVCache
 from compiler.model.layers import MLP, Attention, ScaledEmbedding, make_norm, rope_inv_freq, rope_tables
+from compiler.model.mla import MLAttention
 from compiler.model.moe import SparseMoE
 
 __all__ = ["DecoderLayer", "Transformer", "rope_inv_freq"]
@@ -25,7 +28,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         spec = config.spec
         self.input_layernorm = make_norm(config)
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = (MLAttention if spec.attention == "mla" else Attention)(config, layer_idx)
         self.post_attention_layernorm = make_norm(config)
         self.sandwich = spec.sandwich_norms
         if self.sandwich:
@@ -33,7 +36,8 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = make_norm(config)
         # Mixtral's checkpoints name the feed-forward block_sparse_moe; every other one mlp.
         self.ffn_name = "block_sparse_moe" if spec.ffn == "mixtral" else "mlp"
-        setattr(self, self.ffn_name, SparseMoE(config) if config.is_moe_layer(layer_idx) else MLP(config))
+        moe = DeepseekMoE if spec.ffn == "deepseek_moe" else SparseMoE
+        setattr(self, self.ffn_name, moe(config) if config.is_moe_layer(layer_idx) else MLP(config))
 
     @property
     def ffn(self) -> nn.Module:
@@ -98,8 +102,9 @@ class Transformer(nn.Module):
         c = self.config
         B, T = input_ids.shape
         p = next(self.parameters())
-        cache = ContiguousKVCache(c.n_layers, B, T + max_new_tokens, c.n_kv_heads, c.head_dim, p.dtype, p.device,
-                                  c.sliding_windows)
+        heads, dim, values = c.kv_cache_layout
+        cache = ContiguousKVCache(c.n_layers, B, T + max_new_tokens, heads, dim, p.dtype, p.device,
+                                  c.sliding_windows, keys_only=not values)
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
         logits = self(input_ids, positions, cache)
         out = input_ids

@@ -47,6 +47,12 @@ from compiler.formats.fp8_kv import KVObserver
 from compiler.progress import track
 
 
+# A module whose input saw fewer calibration tokens than this (a routed expert the router seldom
+# picks) is not calibrated on them: each pass records what it does instead (AWQ: no scaling;
+# FP8: the layer stays float).
+MIN_CALIBRATION_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class InputRequest:
     """The statistics a pass needs of one module's input (see the module docstring)."""
@@ -97,7 +103,7 @@ class InputStatistics:
                  shift: torch.Tensor | None = None, outliers: torch.Tensor | None = None):
         self.request, self.row_stride = request, row_stride
         self.shift, self.outliers = shift, outliers  # float32 [K], int64 [r]
-        self.tokens = 0
+        self.tokens, self._k = 0, in_features
         self._abs_sum = torch.zeros(in_features, dtype=torch.float64) if request.mean_abs else None
         self._sum = self._square_sum = None
         self._gram = torch.zeros(in_features, in_features) if request.gram == "sampled" else None
@@ -143,19 +149,19 @@ class InputStatistics:
 
     @property
     def mean(self) -> torch.Tensor:
-        """[K] float64."""
-        return self._sum / self.tokens
+        """[K] float64 (zeros when the module saw no token: an expert never routed to)."""
+        return self._sum / self.tokens if self.tokens else torch.zeros(self._k, dtype=torch.float64)
 
     @property
     def mean_square(self) -> torch.Tensor:
         """[K] float64."""
-        return self._square_sum / self.tokens
+        return self._square_sum / self.tokens if self.tokens else torch.zeros(self._k, dtype=torch.float64)
 
     @property
     def hessian(self) -> torch.Tensor:
         """H = XᵀX / T [K, K]: a weight error D [N, K] costs sum((D @ H) * D) of mean squared
         output error per token."""
-        return self._gram / max(self._gram_tokens, 1)
+        return self._gram / max(self._gram_tokens, 1) if self._gram is not None else torch.zeros(self._k, self._k)
 
     @property
     def token_amax(self) -> torch.Tensor:

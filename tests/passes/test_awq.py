@@ -29,7 +29,7 @@ from compiler.quant.int4 import (
     quantize,
 )
 from passes.awq import AWQPass, BlockQuantizer
-from passes.awq_plan import SCALING_GROUPS, AWQOptions, plan_layers
+from passes.awq_plan import SCALING_GROUPS, AWQOptions, plan_layers, scaling_groups
 from passes.awq_search import candidate_scales, fast_fake_quantize, weight_mean
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,7 +76,7 @@ def _capture_all(model, tokenizer, opts: AWQOptions):
         out = []
         for i, block in enumerate(model.layers):
             sample = (x[:2], cos[:2], sin[:2], positions[:2])
-            x, stats = p._capture(block, x, cos, sin, positions, TokenSampler(opts.search_tokens, windows.numel(),
+            x, stats = p._capture(block, scaling_groups(model.config, i), x, cos, sin, positions, TokenSampler(opts.search_tokens, windows.numel(),
                                                                                  torch.Generator().manual_seed(0)))
             out.append((f"layers.{i}.", stats, sample))
     return out

@@ -1,5 +1,5 @@
-"""The paged engine on Qwen3, Gemma 3 (per-layer sliding windows, soft-capped logits), Qwen3-MoE and
-Mixtral: greedy tokens under continuous batching equal the contiguous-cache reference (itself equal
+"""The paged engine on Qwen3, Gemma 3 (per-layer sliding windows, soft-capped logits), Qwen3-MoE,
+Mixtral and DeepSeek-V3 (its latent KV cache): greedy tokens under continuous batching equal the contiguous-cache reference (itself equal
 to transformers, tests/compiler/model/test_arch_parity.py), and the logits it samples from are the
 model's own."""
 from __future__ import annotations
@@ -37,7 +37,8 @@ def run_staggered(engine, prompts, params=GREEDY, every=2):
     return [outs[r] for r in rids]
 
 
-ENGINE_CASES = ["qwen3", "gemma3", "gemma3-scalar-linear-rope-softcap", "qwen3-moe", "mixtral-sliding"]
+ENGINE_CASES = ["qwen3", "gemma3", "gemma3-scalar-linear-rope-softcap", "qwen3-moe", "mixtral-sliding", "deepseek-v3",
+                "deepseek-v3-q-proj-yarn"]
 
 
 @pytest.mark.parametrize("case", ENGINE_CASES)
@@ -52,7 +53,7 @@ def test_engine_greedy_matches_reference(case, tmp_path):
     assert engine.scheduler.stats.num_cached_prompt_tokens > 0
 
 
-@pytest.mark.parametrize("case", ["gemma3-scalar-linear-rope-softcap", "qwen3-moe"])
+@pytest.mark.parametrize("case", ["gemma3-scalar-linear-rope-softcap", "qwen3-moe", "deepseek-v3"])
 def test_engine_samples_from_the_models_logits(case, tmp_path, monkeypatch):
     """What the sampler sees (soft-capped for Gemma) is the model's last-position logits."""
     loaded = load_case(case, tmp_path)
@@ -67,3 +68,25 @@ def test_engine_samples_from_the_models_logits(case, tmp_path, monkeypatch):
     assert torch.allclose(seen[0], want, rtol=1e-5, atol=1e-5)
     if loaded.model.config.final_logit_softcapping:
         assert seen[0].abs().max() <= loaded.model.config.final_logit_softcapping
+
+
+def test_deepseek_caches_its_latent_not_keys_and_values(tmp_path):
+    """MLA's paged cache holds one kv_lora_rank + qk_rope_head_dim vector per token and layer, no V:
+    its blocks cost that, and what a prompt leaves in it is the model's own latent."""
+    loaded = load_case("deepseek-v3", tmp_path)
+    c = loaded.model.config
+    engine = Engine.from_loaded(loaded, "cpu", block_size=4, num_blocks=8)
+    spec = engine.cache.spec
+    assert (spec.num_kv_heads, spec.head_dim, spec.keys_only) == (1, c.kv_lora_rank + c.head_dim, True)
+    assert engine.cache.v == []
+    assert spec.bytes_per_block == c.n_layers * 4 * (c.kv_lora_rank + c.head_dim) * 4  # fp32, K alone
+    prompt = prompts_of([6])[0]
+    rid = engine.add_request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # the prefill: 6 latents written
+    slots = [b * 4 + o for b in engine.kv.block_ids(rid) for o in range(4)][:6]
+    attn = loaded.model.layers[0].self_attn
+    with torch.no_grad():
+        x = loaded.model.layers[0].input_layernorm(loaded.model.embed_tokens(torch.tensor([prompt])))
+        c_kv = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(x)[..., : c.kv_lora_rank])[0]  # [6, r]
+    stored = engine.cache.k[0].view(-1, spec.head_dim)[slots]
+    assert torch.allclose(stored[:, : c.kv_lora_rank], c_kv, atol=1e-6)

@@ -1,6 +1,7 @@
-"""Qwen3, Gemma 3, Qwen3-MoE and Mixtral through the rest of the pipeline: float artifacts round trip,
-FP8 compiles the dense ones (and the engine serves them), and whatever cannot handle an architecture
-or a config feature refuses it with one line: AWQ and FP8 at validate time, the ONNX export, the loader."""
+"""Qwen3, Gemma 3, Qwen3-MoE, Mixtral and DeepSeek-V3 through the rest of the pipeline: float artifacts
+round trip, FP8 compiles the dense ones (and the engine serves them), and whatever cannot handle an
+architecture or a config feature refuses it with one line: AWQ and FP8 at validate time, the ONNX and
+vLLM exports, the loader. (AWQ and FP8 on DeepSeek-V3: tests/passes/test_passes_deepseek.py.)"""
 from __future__ import annotations
 
 import json
@@ -9,8 +10,10 @@ import pytest
 import torch
 from arch_helpers import make_arch_model
 
+import backends  # noqa: F401  (registers the lowerings)
 import passes  # noqa: F401  (registers the passes)
 from backends.onnx.export import OnnxExportOptions, export_graphs
+from compiler.deploy.lowering import lower
 from compiler.errors import CheckpointError, ConfigError, PipelineValidationError
 from compiler.formats.fp8 import Fp8Linear
 from compiler.io.artifact import load_artifact, save_artifact
@@ -37,7 +40,8 @@ def pipeline(name, **options) -> PipelineConfig:
     return PipelineConfig.from_dict({"calibration": CALIB, "passes": [{"name": name, **options}]})
 
 
-@pytest.mark.parametrize("case", ["qwen3", "gemma3-scalar-linear-rope-softcap", "qwen3-moe", "mixtral-sliding"])
+@pytest.mark.parametrize("case", ["qwen3", "gemma3-scalar-linear-rope-softcap", "qwen3-moe", "mixtral-sliding",
+                                  "deepseek-v3-q-proj-yarn"])
 @torch.no_grad()
 def test_float_artifact_round_trip(case, tmp_path):
     loaded = load_checkpoint(saved(case, tmp_path), with_tokenizer=False)
@@ -82,11 +86,20 @@ def test_fp8_refuses_mixture_of_experts(case, tmp_path):
         Pipeline(pipeline("fp8")).validate(config)
 
 
-@pytest.mark.parametrize("case", ["qwen3", "gemma3", "qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("case", ["qwen3", "gemma3", "qwen3-moe", "mixtral", "deepseek-v3"])
 def test_onnx_export_refuses_what_it_cannot_lower(case, tmp_path):
     model = load_checkpoint(saved(case, tmp_path), with_tokenizer=False).model
-    with pytest.raises(ConfigError, match=f"the ONNX export cannot lower {model.config.architecture}"):
+    with pytest.raises(ConfigError, match=f"the ONNX export cannot lower {model.config.architecture}") as info:
         export_graphs(model, OnnxExportOptions(max_len=64))
+    assert "\n" not in str(info.value)
+
+
+def test_vllm_export_refuses_deepseek_before_writing(tmp_path, byte_tokenizer):
+    loaded = load_checkpoint(saved("deepseek-v3", tmp_path, byte_tokenizer))
+    out = save_artifact(tmp_path / "artifact", loaded.model, loaded.tokenizer, SourceInfo("x", "hf", "0" * 64), {}, [])
+    with pytest.raises(ConfigError, match="target 'vllm' cannot export DeepseekV3ForCausalLM yet") as info:
+        lower(out, "vllm", tmp_path / "vllm")
+    assert "\n" not in str(info.value) and not (tmp_path / "vllm").exists()
 
 
 def hf_config(case, **changes) -> dict:
@@ -104,7 +117,11 @@ def hf_config(case, **changes) -> dict:
     ("gemma3", {"layer_types": ["sliding_attention"]}, "layer_types must give"),
     ("qwen3-moe", {"num_experts_per_tok": 9}, "num_experts_per_tok <= num_experts"),
     ("qwen3-moe", {"shared_expert_intermediate_size": 16}, "shared experts is not supported"),
-    ("mixtral", {"architectures": ["DeepseekV3ForCausalLM"]}, "unsupported architecture 'DeepseekV3ForCausalLM'"),
+    ("mixtral", {"architectures": ["DeepseekV2ForCausalLM"]}, "unsupported architecture 'DeepseekV2ForCausalLM'"),
+    ("deepseek-v3", {"scoring_func": "softmax"}, "scoring_func='softmax' is not supported"),
+    ("deepseek-v3", {"quantization_config": {"quant_method": "fp8"}}, "quantized with 'fp8' is not supported"),
+    ("deepseek-v3", {"n_group": 3}, "must split into n_group=3 groups"),
+    ("deepseek-v3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "unsupported rope scaling 'longrope'"),
 ])
 def test_unsupported_config_features_are_one_line_errors(case, changes, match):
     with pytest.raises(CheckpointError, match=match) as info:
