@@ -171,7 +171,7 @@ def print_table(rows: list[dict], args) -> None:
 
     print(f"\nSmolLM2-135M, {args.prompt_len} prompt / {args.output_len} output tokens, greedy, EOS ignored, "
           f"{args.threads} threads, {args.rounds} round(s)")
-    print(f"| runtime | decode ms/token, 1 request | × float (speed) | output tok/s, 16 concurrent | × float |")
+    print("| runtime | decode ms/token, 1 request | × float (speed) | output tok/s, 16 concurrent | × float |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['runtime']} | {fmt(r['ms_per_token_c1'], 1)} | {fmt(r['speedup_c1_vs_float'], 2)} | "
