@@ -64,10 +64,10 @@ def test_distilled_variant_starts_from_the_awq_artifact(tiny_variants):
     assert [r["from"] for r in tiny_variants] == [None, None, "awq"]
     manifest = read_manifest(distilled["path"])
     assert manifest["source"]["kind"] == "artifact" and manifest["source"]["path"] == str(Path(awq["path"]).resolve())
-    assert [p["name"] for p in manifest["passes"]] == ["distill"]
+    assert [p["name"] for p in manifest["passes"]] == ["awq", "distill"]  # the input's passes, then its own
     assert [p["name"] for p in read_manifest(awq["path"])["passes"]] == ["awq"]  # its input is left as it was
     assert all(m["format"] == "int4" for name, m in manifest["modules"].items() if name != "lm_head")
-    kl = manifest["passes"][0]["metrics"]
+    kl = manifest["passes"][-1]["metrics"]
     assert distilled["stage"].startswith(f"KL to teacher {kl['kl_before']:.4f} → {kl['kl_after']:.4f}")
     assert float_row["stage"] == awq["stage"] == ""
 
