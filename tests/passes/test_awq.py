@@ -248,7 +248,7 @@ def test_cli_prints_one_line_error_for_error_policy(tiny_checkpoint_with_tokeniz
 def test_example_pipeline_files_validate():
     from qcompile.cli.example import VARIANTS, example_pipeline
 
-    files = [f for _, f in VARIANTS if f.startswith("awq")]
+    files = [v.pipeline for v in VARIANTS if v.pipeline.startswith("awq")]
     assert files
     for f in files:
         formats = Pipeline(PipelineConfig.from_toml(example_pipeline(f))).validate(SMOLLM2_LIKE)

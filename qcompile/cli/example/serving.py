@@ -39,7 +39,7 @@ def serve_demo(console: Console, artifact: str, max_tokens: int = 16) -> list[di
         table.add_column(col, justify="left" if col in ("prompt", "completion") else "right")
     for r in rows:
         table.add_row(repr(r["prompt"]), str(r["tokens"]), f"{1000 * r['ttft_s']:.0f}", f"{r['tok_s']:.1f}",
-                      repr(r["text"][:40]))
+                      repr(r["text"]))
     console.print(table)
     total = sum(r["tokens"] for r in rows)
     console.print(f"aggregate: {total} tokens in {wall:.1f} s = {total / wall:.1f} tok/s "
