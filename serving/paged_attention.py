@@ -38,7 +38,7 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Te
     cache reuses one per step for every layer instead of allocating megabytes per call)."""
     S, M = block_tables.shape
     # index_select on a 2-d view copies whole blocks: on the CPU 2.3x faster than cache[block_tables].
-    flat = cache.view(cache.shape[0], -1)
+    flat = cache.reshape(cache.shape[0], -1)  # a view of the paged cache; a copy of expanded MLA blocks
     if out is None:
         g = flat.index_select(0, block_tables.reshape(-1))
     else:
