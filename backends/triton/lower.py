@@ -1,4 +1,5 @@
-"""Lowering an artifact to a Triton Inference Server model repository.
+"""Lowering an artifact to a Triton Inference Server model repository (with ``engine = "vllm"``, a
+model of NVIDIA's vLLM backend instead: ``vllm_repo.py``).
 
     REPO/
       <name>/
@@ -39,6 +40,10 @@ from serving.triton_backend import TritonPythonModel  # noqa: E402,F401
 '''
 # Triton instance kind per device: it has no NPU kind, so on Ascend the model places itself (KIND_MODEL).
 DEVICES = {"cpu": "KIND_CPU", "cuda": "KIND_GPU", "npu": "KIND_MODEL"}
+# What runs the model inside Triton: qcompile's engine in the Python backend (this file), or NVIDIA's
+# vLLM backend on the compressed-tensors checkpoint of the vllm target (vllm_repo.py).
+ENGINES = ("qcompile", "vllm")
+DEFAULT_REPOSITORY_ROOT = "/models"  # where Dockerfile.triton-vllm-h100 puts the repository
 
 # (name, Triton type, dims, optional) in the order clients see them.
 INPUTS = [
@@ -72,10 +77,28 @@ class LowerOptions:
     name: str | None = option(None, "Model name in the repository; default: the artifact folder's name.")
     instances: int = option(1, "Model instances, one engine each (the engine itself batches all requests).")
     max_tokens_limit: int | None = option(None, "Most tokens a request may ask for; default: the model's context length.")
+    engine: str = option("qcompile", "What serves the model: qcompile (its engine in Triton's Python backend) or vllm "
+                                     "(NVIDIA's vLLM backend on a compressed-tensors checkpoint; with --device cuda).")
+    repository_root: str | None = option(None, "engine vllm: the absolute path the server loads the repository from "
+                                               f"(model.json names the checkpoint under it); default {DEFAULT_REPOSITORY_ROOT}.")
 
     def __post_init__(self):
         if self.device not in DEVICES:
             raise ValueError(f"unknown device {self.device!r}; use one of {', '.join(DEVICES)}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}; use one of {', '.join(ENGINES)}")
+        if self.engine == "vllm":
+            if self.device != "cuda":
+                raise ValueError(f"engine 'vllm' (NVIDIA's Triton vLLM backend) runs on CUDA GPUs, not {self.device!r}; "
+                                 "add --device cuda")
+            if self.instances != 1 or self.max_tokens_limit is not None:
+                raise ValueError("engine 'vllm' takes neither instances nor max_tokens_limit (vLLM batches requests "
+                                 "and bounds their lengths itself); drop them")
+            if self.repository_root is not None and not self.repository_root.startswith("/"):
+                raise ValueError(f"repository_root {self.repository_root!r} must be an absolute path (vLLM resolves "
+                                 "a relative one against the server's working directory)")
+        elif self.repository_root is not None:
+            raise ValueError("repository_root is for engine 'vllm' (the qcompile engine finds its artifact itself); drop it")
         if self.name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
             raise ValueError(f"model name {self.name!r}: use letters, digits, '_', '-', '.'")
         if self.instances < 1:
@@ -144,10 +167,14 @@ def lower_triton(artifact: str | Path, out: str | Path, opts: LowerOptions = Low
     several artifacts (float, INT4, FP8) can be served side by side by one server.
     """
     artifact = Path(artifact)
+    name = opts.name or re.sub(r"[^A-Za-z0-9_.-]", "_", artifact.resolve().name)
+    if opts.engine == "vllm":
+        from backends.triton.vllm_repo import lower_triton_vllm
+
+        return lower_triton_vllm(artifact, out, name, opts.repository_root or DEFAULT_REPOSITORY_ROOT, force)
     manifest = read_manifest(artifact)
     check_formats("triton", manifest.get("modules", {}), str(artifact))
     check_lowered_entries(manifest, "triton", LOWERED_ENTRIES, str(artifact))
-    name = opts.name or re.sub(r"[^A-Za-z0-9_.-]", "_", artifact.resolve().name)
 
     def write(tmp: Path):
         version = tmp / "1"

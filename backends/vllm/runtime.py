@@ -69,17 +69,26 @@ def checkpoint_config(checkpoint: Path) -> dict:
                               f"'qcompile lower ARTIFACT --target vllm -o {checkpoint}'") from None
 
 
+def engine_args(config: dict, model: str, max_model_len: int) -> dict:
+    """vLLM's engine arguments for a checkpoint whose ``config.json`` is ``config``, found at ``model``:
+    ``vllm serve``'s flags here, and the ``model.json`` of Triton's vLLM backend (``backends/triton/vllm_repo.py``)."""
+    args = {"model": model, "dtype": config.get("dtype", "auto"), "max_model_len": max_model_len,
+            "generation_config": "vllm"}  # sampling defaults from the request alone, not the checkpoint's generation_config.json
+    if (config.get("quantization_config") or {}).get("kv_cache_scheme"):
+        # vLLM reads the scales from the checkpoint but keeps the cache in the model dtype unless asked.
+        args["kv_cache_dtype"] = "fp8_e4m3"
+    return args
+
+
 def serve_command(python: Path, opts: VllmOptions) -> list[str]:
     """The command line of vLLM's API server for ``opts``: the tests and ``qcompile serve`` both use it."""
     config = checkpoint_config(opts.checkpoint)
-    context = config.get("max_position_embeddings", 2048)
-    cmd = [str(python), "-m", SERVER_MODULE, "--model", str(Path(opts.checkpoint).resolve()), "--host", opts.host, "--port", str(opts.port), "--dtype", config.get("dtype", "auto"),
-           "--max-model-len", str(opts.max_model_len or min(2048, context)), "--generation-config", "vllm"]
+    max_len = opts.max_model_len or min(2048, config.get("max_position_embeddings", 2048))
+    args = engine_args(config, str(Path(opts.checkpoint).resolve()), max_len)
+    cmd = [str(python), "-m", SERVER_MODULE, "--host", opts.host, "--port", str(opts.port)]
+    cmd += [part for key, value in args.items() for part in (f"--{key.replace('_', '-')}", str(value))]
     if opts.served_name:
         cmd += ["--served-model-name", opts.served_name]
-    if (config.get("quantization_config") or {}).get("kv_cache_scheme"):
-        # vLLM reads the scales from the checkpoint but keeps the cache in the model dtype unless asked.
-        cmd += ["--kv-cache-dtype", "fp8_e4m3"]
     return cmd + list(opts.extra_args)
 
 

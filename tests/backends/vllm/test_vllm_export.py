@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from vllm_helpers import FP8, INT4, compile_for, save_checkpoint
+from vllm_helpers import FP8_KV, INT4, compile_for, save_checkpoint
 
 import backends  # noqa: F401  (registers the vllm target)
 from backends.vllm.export import _shards, hf_config, write_shards
@@ -102,7 +102,7 @@ def test_hf_config_of_each_architecture_round_trips(overrides):
 
 
 def test_fp8_checkpoint_holds_the_artifacts_codes_and_kv_scales(checkpoint, tmp_path):
-    artifact = compile_for(checkpoint, FP8, tmp_path / "artifact")
+    artifact = compile_for(checkpoint, FP8_KV, tmp_path / "artifact")
     out = lower(artifact, "vllm", tmp_path / "vllm")
     q = json.loads((out / "config.json").read_text())["quantization_config"]
     (group,) = q["config_groups"].values()

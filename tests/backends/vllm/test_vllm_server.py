@@ -6,6 +6,10 @@ takes one to three minutes on 2 cores; ``--enforce-eager`` skips torch.compile's
 greedy tokens are compared with qcompile's engine on the same artifact, its prompt
 log-probabilities with the artifact's own, and compressed-tensors' decompressor with the
 artifact's dequantized weights. Not skipped without vLLM: a missing install is a failure.
+
+vLLM's CPU kernels round in two places as qcompile does not (``vllm_cpu_reference``): with an FP8
+KV cache its tokens are therefore compared with the artifact's own greedy decode under those
+roundings, not with qcompile's engine (they part within a few tokens; docs/DEPLOY.md says why).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_helpers import FP8, INT4, ROOT, VLLM_PYTHON, compile_for, save_checkpoint
+from vllm_helpers import FP8, FP8_KV, INT4, ROOT, VLLM_PYTHON, compile_for, save_checkpoint, vllm_cpu_reference
 
 from backends.vllm.evaluate import window_logprobs
 from backends.vllm.runtime import VllmOptions, VllmServer
@@ -36,7 +40,7 @@ from serving.types import SamplingParams
 pytestmark = pytest.mark.integration
 
 MODELS = {"llama-int4": ("llama", INT4), "qwen2-int4": ("qwen2", INT4), "qwen2-fp8": ("qwen2", FP8),
-          "llama-fp8": ("llama", FP8)}
+          "llama-fp8-kv": ("llama", FP8_KV)}
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], list(range(100, 124))]
 TOKENS = 16
 # Two implementations of one model agree on a greedy token unless the model's own two best
@@ -48,6 +52,12 @@ TIE = {"float16": 0.1, "bfloat16": 0.25, "float32": 0.05}
 # it, nor above the floor in float32, where a wrong zero point or scale moves log p by whole units.
 LOGPROB_ROUNDING = 4.0
 LOGPROB_FLOOR = {"float16": 0.02, "bfloat16": 0.1, "float32": 0.01}
+# Where activations are FP8, a float difference of 1e-6 upstream (another summation order) can move
+# an activation to the neighbouring FP8 code. Measured on qwen2-fp8: one such flip in layer 1's o_proj
+# moved one position's log p by 0.029 while the median error stayed 5e-7; a wrong rounding of the KV
+# cache moved the median by 0.15. So these models pass when the median error is within the floor and
+# no position is off by more than FP8_CODE_FLIP.
+FP8_CODE_FLIP = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -109,29 +119,44 @@ def _window_logprobs(model, window: list[int]) -> torch.Tensor:
     return logp[torch.arange(len(window) - 1), torch.tensor(window[1:])]
 
 
+def _greedy_decode(model, prompt: list[int]) -> list[int]:
+    """TOKENS greedy tokens of ``model`` after ``prompt``, one full forward per token."""
+    ids = []
+    with torch.no_grad():
+        for _ in range(TOKENS):
+            ids.append(int(model(torch.tensor([prompt + ids]))[0, -1].argmax()))
+    return ids
+
+
 def _compare_with_engine(artifact: Path, url: str, model_name: str) -> dict:
+    """vLLM's greedy tokens against qcompile's engine (with an FP8 KV cache: against the artifact's greedy
+    decode under vLLM's CPU roundings), its prompt log-probabilities against the artifact's math in float32."""
     loaded = load_artifact(artifact)
     dtype = loaded.manifest["dtype"]
-    engine = _tokens(EngineAdapter.from_artifact(artifact))
+    reference = vllm_cpu_reference(loaded.model)  # the artifact's math in float32, rounded where vLLM's CPU kernels round
+    if loaded.manifest.get("kv_cache"):
+        expected, judge = [_greedy_decode(reference, p) for p in PROMPTS], reference
+    else:
+        expected, judge = _tokens(EngineAdapter.from_artifact(artifact)), loaded.model
     served = _tokens(OpenAIAdapter(url, model_name))
-    problems = [why for p, a, b in zip(PROMPTS, engine, served) if (why := _first_disagreement(loaded.model, p, a, b, TIE[dtype]))]
+    problems = [why for p, a, b in zip(PROMPTS, expected, served) if (why := _first_disagreement(judge, p, a, b, TIE[dtype]))]
     assert not problems, problems
     window = list(range(3, 67))
-    exact = _window_logprobs(copy.deepcopy(loaded.model).float(), window)  # the artifact's math, in float32
-    engine_err = float((_window_logprobs(loaded.model, window) - exact).abs().max())
-    got = torch.tensor(window_logprobs(url, model_name, window))
-    err = float((got - exact).abs().max())
-    bound = max(LOGPROB_ROUNDING * engine_err, LOGPROB_FLOOR[dtype])
-    assert err < bound, f"vLLM's prompt log-probabilities differ from float32 by up to {err:.4f} (engine: {engine_err:.4f})"
-    return {"max_logprob_error": err, "engine_max_logprob_error": engine_err}
+    exact = _window_logprobs(reference, window)
+    own_float32 = _window_logprobs(copy.deepcopy(loaded.model).float(), window)
+    engine_err = float((_window_logprobs(loaded.model, window) - own_float32).abs().max())  # qcompile's own rounding
+    errors = (torch.tensor(window_logprobs(url, model_name, window)) - exact).abs()
+    err, median = float(errors.max()), float(errors.median())
+    result = {"max_logprob_error": err, "median_logprob_error": median, "engine_max_logprob_error": engine_err}
+    if any(fmt.get("activation_scheme") in ("dynamic", "static") for fmt in loaded.manifest["modules"].values()):
+        assert median < LOGPROB_FLOOR[dtype] and err < FP8_CODE_FLIP, f"vLLM's prompt log-probabilities differ: {result}"
+    else:
+        bound = max(LOGPROB_ROUNDING * engine_err, LOGPROB_FLOOR[dtype])
+        assert err < bound, f"vLLM's prompt log-probabilities differ from float32 by up to {err:.4f} (engine: {engine_err:.4f})"
+    return result
 
 
-# Not yet run to completion here (issue 22): FP8 on vLLM 0.32's CPU kernels, and `qcompile serve
-# --engine vllm` with a bench run; both run by hand before they gate CI.
-UNRUN = pytest.mark.skip(reason="not yet run to completion on the real vLLM here; see issue 22's note")
-
-
-@pytest.mark.parametrize("name", ["llama-int4", "qwen2-int4", pytest.param("qwen2-fp8", marks=UNRUN)])
+@pytest.mark.parametrize("name", ["llama-int4", "qwen2-int4", "qwen2-fp8"])
 def test_vllm_runs_the_export_as_the_engine_does(exported, name, tmp_path):
     artifact, checkpoint = exported[name]
     server = _start(checkpoint, tmp_path / "vllm.log")
@@ -160,12 +185,11 @@ def test_compressed_tensors_decompressor_gives_the_artifacts_weights(exported, t
             assert torch.equal(decompressed[f"model.{n}"], module.dequantized_weight()), (name, n)  # bit for bit
 
 
-@UNRUN
 def test_qcompile_serve_engine_vllm_and_bench_openai(exported, tmp_path):
     """``qcompile serve CHECKPOINT --engine vllm``: ready line, greedy parity, a bench run, a clean SIGTERM stop."""
     from backends.triton.runtime import free_port
 
-    artifact, checkpoint = exported["llama-fp8"]
+    artifact, checkpoint = exported["llama-fp8-kv"]
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     serve = subprocess.Popen([sys.executable, "-m", "qcompile", "serve", str(checkpoint), "--engine", "vllm",
@@ -174,12 +198,12 @@ def test_qcompile_serve_engine_vllm_and_bench_openai(exported, tmp_path):
     lines = []
     try:
         deadline = time.monotonic() + 900
-        while time.monotonic() < deadline and not any("ready" in ln for ln in lines):
+        while time.monotonic() < deadline and not any("Ctrl-C to stop" in ln for ln in lines):  # the ready message's end
             line = serve.stdout.readline()
             if not line:
                 break
             lines.append(line)
-        assert any("ready" in ln for ln in lines), "".join(lines)
+        assert any(ln.startswith("ready") for ln in lines), "".join(lines)
         model = str(checkpoint.resolve())
         assert f"qcompile bench openai://127.0.0.1:{port}" in "".join(lines)
         _compare_with_engine(artifact, f"127.0.0.1:{port}", model)
