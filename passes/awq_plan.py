@@ -1,4 +1,4 @@
-"""AWQ's options, its scaling groups (as data) and the per-layer group-size plan.
+"""AWQ's options and the per-layer group-size plan (its scaling groups: ``awq_mappings.py``).
 
 Planning needs only the model config, so ``planned_formats`` and the target checks run
 before any calibration work.
@@ -13,6 +13,7 @@ from typing import Literal
 from compiler.errors import ConfigError
 from compiler.formats.qlinear import linear_modules
 from compiler.model.config import ModelConfig
+from compiler.model.moe import router_names
 from compiler.pipeline.selection import excluded_by, meta_model
 from compiler.quant.int4 import GROUP_SIZES, padded_width
 
@@ -36,6 +37,10 @@ class AWQOptions:
     weight_rounding = "gptq"      # GPTQ's error-compensating rounding on AWQ's scales and clip ("nearest": RTN)
     gptq_damp = 0.01              # GPTQ's dampening, a fraction of the Hessian's mean diagonal
     modules_to_not_convert = ["lm_head"]  # kept in float: globs over names or dotted parts (compiler/pipeline/selection.py)
+    min_expert_tokens = 32        # MoE: an expert routed fewer calibration tokens than this is "starved"
+    starved_experts = "all_tokens"  # calibrate a starved expert on every token of its layer, or "rtn": round-to-nearest
+
+    MoE routers stay in float whatever the options say (``ArchSpec.router``).
     """
 
     group_size: int = 128
@@ -54,6 +59,8 @@ class AWQOptions:
     module_candidates: int = 4
     module_sequences: int = 4
     batch_size: int = 8
+    min_expert_tokens: int = 32
+    starved_experts: Literal["all_tokens", "rtn"] = "all_tokens"
 
     def __post_init__(self):
         if self.group_size not in GROUP_SIZES:
@@ -70,36 +77,8 @@ class AWQOptions:
             raise ValueError(f"gptq_damp must be in (0, 1), got {self.gptq_damp}")
         if self.module_candidates < 0 or self.module_sequences < 0:
             raise ValueError("module_candidates and module_sequences must be >= 0 (0 or 1: score on the linears' own error)")
-
-
-@dataclass(frozen=True)
-class ScalingGroup:
-    """Linears sharing one input whose channels ``prev`` (an RMSNorm or a Linear) produces:
-    scaling those input channels by s and ``prev``'s output by 1/s leaves the float model unchanged."""
-
-    prev: str
-    linears: tuple[str, ...]
-    # The module whose output scores the α grid when it is more than the linears themselves
-    # (AutoAWQ's ``module2inspect``): errors in q/k pass through softmax, in gate/up through SiLU.
-    inspect: str | None = None
-    # Whether duo scaling applies here under duo_scaling = "auto". On SmolLM2-135M
-    # (docs/notes/2026-11-awq-int4-smollm2.md) duo scaling on up → down costs 0.29 perplexity at g128
-    # and gains 0.12 at g64, so "auto" leaves it out there; "all" (AutoAWQ) puts it back.
-    duo: bool = True
-
-
-# llm-awq / AutoAWQ's mappings for the Llama family, keyed by architecture (as llm-compressor does).
-LLAMA_GROUPS = (
-    ScalingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), inspect="self_attn"),
-    ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",)),
-    ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), inspect="mlp"),
-    ScalingGroup("mlp.up_proj", ("mlp.down_proj",), duo=False),
-)
-SCALING_GROUPS = {"LlamaForCausalLM": LLAMA_GROUPS, "MistralForCausalLM": LLAMA_GROUPS, "Qwen2ForCausalLM": LLAMA_GROUPS}
-
-# Attention logits are a product of q and k: clipping them by their own output error misleads
-# (llm-awq skips them too).
-NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
+        if self.min_expert_tokens < 1:
+            raise ValueError(f"min_expert_tokens must be >= 1, got {self.min_expert_tokens}")
 
 
 @dataclass(frozen=True)
@@ -160,11 +139,15 @@ def _ranges(ix: list[int]) -> str:
 
 
 def plan_layers(config: ModelConfig, options: AWQOptions) -> tuple[dict[str, LayerPlan], dict[str, str]]:
-    """(plans of the linears to convert, {excluded linear: pattern}); raises on policy ``error``."""
+    """(plans of the linears to convert, {excluded linear: pattern}); raises on policy ``error``.
+    Routers are in neither: they are never converted."""
     g = options.group_size
     plans, excluded = {}, {}
     offenders: dict[int, list[str]] = defaultdict(list)
+    routers = set(router_names(config))
     for name, (k, n) in float_linears(config).items():
+        if name in routers:
+            continue
         if (pattern := excluded_by(name, options.modules_to_not_convert)) is not None:
             excluded[name] = pattern
             continue

@@ -195,7 +195,12 @@ class _Hooks:
     def __init__(self, root: nn.Module, requests: dict[str, InputRequest], total_tokens: int,
                  moments: dict[str, InputStatistics] | None = None):
         self.stats: dict[str, InputStatistics] = {}
-        self.sample: torch.Tensor | None = None  # set per chunk by the driver
+        # Set per chunk by the driver: the chunk's token indices a sampled Gram takes, drawn by
+        # ``sampler`` over ``chunk_tokens``; an input of fewer rows (an expert's: only the tokens
+        # routed to it) draws its own, at the same rate.
+        self.sample: torch.Tensor | None = None
+        self.sampler: TokenSampler | None = None
+        self.chunk_tokens = 0
         self._last: tuple | None = None  # (input tensor, name): held, so its id is never reused
         self._handles = []
         for name, request in requests.items():
@@ -214,7 +219,10 @@ class _Hooks:
                     self.stats[name] = self.stats[first]
                     return
             self._last = (x, name)
-            self.stats[name].add(x, self.sample)
+            sample = self.sample
+            if sample is not None and x[..., 0].numel() != self.chunk_tokens:
+                sample = self.sampler.draw(x[..., 0].numel())
+            self.stats[name].add(x, sample)
         return record
 
     def remove(self) -> None:
@@ -261,9 +269,10 @@ def _collect_model(model, windows, requests, kv_heads, batch_size, label, sample
         layer.self_attn.kv_quant = obs
     device = next(model.parameters()).device
     batches = windows.split(batch_size)
+    hooks.sampler = sampler
     try:
         for batch in track(batches, label, total=len(batches)):
-            hooks.sample = sampler.draw(batch.numel()) if draws else None
+            hooks.sample, hooks.chunk_tokens = (sampler.draw(batch.numel()) if draws else None), batch.numel()
             model(batch.to(device))
     finally:
         hooks.remove()
@@ -280,13 +289,14 @@ def collect_block(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: tor
     (names relative to the block). Returns the block's outputs [S, T, dim] and the statistics."""
     draws = _needs_sample(requests, sampler)
     hooks = _Hooks(block, requests, x.shape[0] * x.shape[1])
+    hooks.sampler = sampler
     out = torch.empty_like(x)
     b = positions.shape[0]
     try:
         for start in range(0, x.shape[0], b):
             chunk = x[start : start + b]
             n = chunk.shape[0]
-            hooks.sample = sampler.draw(n * chunk.shape[1]) if draws else None
+            hooks.sample, hooks.chunk_tokens = (sampler.draw(n * chunk.shape[1]) if draws else None), n * chunk.shape[1]
             out[start : start + n] = block(chunk, cos[:n], sin[:n], positions[:n])
     finally:
         hooks.remove()
