@@ -193,7 +193,7 @@ class Fp8Pass(Pass):
         candidates, excluded = self._select(model)
         stats = self._calibrate(model, context, candidates)
         routed = {n: stats.inputs[n].tokens for n in candidates if expert_of(n) is not None and n in stats.inputs}
-        starved = self._calibrate_starved(model, context, stats, candidates)
+        stats, starved = self._calibrate_starved(model, context, stats, candidates)
         rows = [self._convert(model, name, stats.inputs.get(name), routed.get(name), starved.get(name))
                 for name in track(candidates, "fp8: quantizing layers")]
         report.layers = [LayerDecision(n, "float", f"modules_to_not_convert {p!r}") for n, p in excluded.items()]
@@ -247,13 +247,14 @@ class Fp8Pass(Pass):
         return context.input_statistics(model, windows, requests, kv_heads=kv, label="fp8: calibrating")
 
     def _calibrate_starved(self, model: Transformer, context: PassContext, stats: CalibrationStatistics,
-                           candidates: list[str]) -> dict[str, str]:
-        """{starved expert Linear: the reason its rows give}; under "all_tokens" their statistics
-        in ``stats`` are replaced by those of every token of their layer (a forward of its own)."""
+                           candidates: list[str]) -> tuple[CalibrationStatistics, dict[str, str]]:
+        """(the statistics, {starved expert Linear: the reason its rows give}); under "all_tokens"
+        the starved experts' statistics are those of every token of their layer (a forward of its
+        own; ``stats``, which the context may share, is left as it is)."""
         o = self.options
         names = starved_linears(stats.inputs, [n for n in candidates if n in stats.inputs], o.min_expert_tokens)
         if not names:
-            return {}
+            return stats, {}
         layer_tokens = context.calibration_windows(o.calibration_samples).numel()
         reasons = {n: starved_reason(stats.inputs[n].tokens, layer_tokens, o.min_expert_tokens, o.starved_experts)
                    for n in names}
@@ -263,8 +264,8 @@ class Fp8Pass(Pass):
                 windows = context.calibration_windows(o.calibration_samples)
                 with every_token_to(model, experts_of(names)):  # not through the cache: the routing is not the model's
                     extra = collect_model(model, windows, {n: request for n in names}, label="fp8: starved experts")
-                stats.inputs.update(extra.inputs)
-        return reasons
+                stats = CalibrationStatistics({**stats.inputs, **extra.inputs}, stats.kv)
+        return stats, reasons
 
     def _input_scale(self, token_amax: torch.Tensor) -> float:
         o = self.options

@@ -87,7 +87,7 @@ def router_names(config: ModelConfig) -> list[str]:
 
 @contextmanager
 def every_token_to(model: nn.Module, experts: dict[str, set[int]]) -> Iterator[None]:
-    """Within the block, ``experts`` ({SparseMoE module name: expert indices}) read every token
+    """Inside the ``with``, ``experts`` ({SparseMoE module name in ``model``: expert indices}) read every token
     of their layer instead of only those routed to them, so that calibration hooks on their
     Linears see the whole layer's input; each token's output is unchanged (up to the last bits of
     a matmul over more rows)."""

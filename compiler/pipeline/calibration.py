@@ -31,7 +31,9 @@ that quantizes changes the state, so the next pass's statistics are of the quant
 they must be.
 
 Modules that read one tensor (q/k/v, gate/up) with equal requests share one set of statistics:
-the hook sees the same input object and adds it once.
+the hook sees the same input object and adds it once. An MoE expert's Linears read only the
+tokens routed to that expert, so their statistics are per expert (``tokens`` counts them), and
+a sampled Gram draws each expert's own sample, at the rate of the chunk's.
 """
 from __future__ import annotations
 
@@ -178,7 +180,7 @@ class CalibrationStatistics:
 
 def _shift_and_outliers(request: InputRequest, moments: InputStatistics | None):
     """(shift [K] float32 or None, outlier channel indices [r] sorted or None) from the moments."""
-    if moments is None:
+    if moments is None or moments.tokens == 0:  # an expert no calibration token reached: nothing to centre on
         return None, None
     shift = moments.mean.float() if request.centre else None
     outliers = None
