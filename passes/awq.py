@@ -122,6 +122,8 @@ class AWQPass(Pass):
             worker.count_experts(stats, windows.numel())
             if worker.starved and opts.starved_experts == "all_tokens":
                 stats |= self._capture_on_every_token(block, worker.starved, block_inputs, cos, sin, positions, sampler)
+                if short := [n for n in worker.starved if stats[n].tokens != windows.numel()]:
+                    raise RuntimeError(f"starved experts' linears {short} did not see every token of the layer")
             starved += sum(len(experts) for experts in experts_of(worker.starved).values())
             report.layers += worker.run(stats, sample)
         report.metrics = _metrics(report.layers, windows, opts)
@@ -203,7 +205,7 @@ class BlockQuantizer:
                     rows[name] = LayerDecision(plan.name, "int4", plan.reason, {
                         "group_size": plan.group_size, "scale_group": _group_label(group),
                         "rel_error_rtn": self._rtn_error(name, plan, h, stats[name].tokens)})
-                    self._note_expert(name, rows[name])
+                    self._note_expert(name, rows[name], stats[name].tokens)
             searched.append((group, self._search(group, stats)))
         for group, found in searched:
             if found is None:
@@ -222,12 +224,14 @@ class BlockQuantizer:
         w = self.block.get_submodule(name).weight.float()
         return relative_error(w, quant_error(w, plan.group_size, self.opts.zero_point), h)
 
-    def _note_expert(self, name: str, row: LayerDecision) -> None:
-        """An expert's row: its routed token count, and the starved-expert policy if it applied."""
+    def _note_expert(self, name: str, row: LayerDecision, calibrated_on: int) -> None:
+        """An expert's row: its routed token count, and the starved-expert policy if it applied
+        (with the tokens its statistics then hold)."""
         if name not in self.routed:
             return
         row.metrics["expert_tokens"] = self.routed[name]
         if name in self.starved:
+            row.metrics["calibration_tokens"] = calibrated_on
             row.reason = starved_reason(self.routed[name], self.layer_tokens, self.opts.min_expert_tokens,
                                         self.opts.starved_experts)
 

@@ -264,6 +264,8 @@ class Fp8Pass(Pass):
                 windows = context.calibration_windows(o.calibration_samples)
                 with every_token_to(model, experts_of(names)):  # not through the cache: the routing is not the model's
                     extra = collect_model(model, windows, {n: request for n in names}, label="fp8: starved experts")
+                if short := [n for n in names if extra.inputs[n].tokens != layer_tokens]:
+                    raise RuntimeError(f"starved experts' linears {short} did not see every token of the layer")
                 stats = CalibrationStatistics({**stats.inputs, **extra.inputs}, stats.kv)
         return stats, reasons
 
@@ -291,6 +293,8 @@ class Fp8Pass(Pass):
         its row gives (under starved_experts = "float" it stays in float at once)."""
         o = self.options
         counts = {} if routed is None else {"expert_tokens": routed}
+        if starved is not None and o.starved_experts == "all_tokens" and stats is not None:
+            counts["calibration_tokens"] = stats.tokens
         if starved is not None and o.starved_experts == "float":
             return LayerDecision(name, "float", starved, counts)
         linear = model.get_submodule(name)

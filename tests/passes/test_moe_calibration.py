@@ -117,7 +117,8 @@ def test_awq_calibrates_starved_experts_on_every_token(starved_src, tmp_path):
             for n in ("gate_proj", "up_proj", "down_proj"):
                 row = rows[f"layers.{i}.mlp.experts.{e}.{n}"]
                 assert row.format == "int4" and row.metrics["rel_error_awq"] is not None
-                if e in STARVED:
+                if e in STARVED:  # its statistics: every token of the layer, so its error is measured on them
+                    assert row.metrics["calibration_tokens"] == TOKENS and row.metrics["rel_error_rtn"] > 0
                     assert row.reason == ("expert routed 0 of 256 calibration tokens (< min_expert_tokens 1): calibrated "
                                           "on all 256 tokens of its layer (starved_experts = 'all_tokens')")
         assert "alpha" in rows[f"layers.{i}.mlp.experts.6.down_proj"].metrics  # its up → down scales searched
@@ -158,6 +159,7 @@ def test_fp8_static_scales_are_per_expert_and_starved_experts_see_every_token(st
         row = rows[f"layers.1.mlp.experts.{e}.gate_proj"]
         assert row.metrics["input_scale"] == pytest.approx(float(mine.abs().max()) / 448, rel=1e-6), e
         assert row.format == "fp8" and row.metrics["expert_tokens"] == (0 if e in STARVED else len(mine))
+        assert row.metrics.get("calibration_tokens") == (TOKENS if e in STARVED else None)
     assert "calibrated on all 256 tokens" in rows["layers.1.mlp.experts.7.down_proj"].reason
     assert result.reports[0].metrics["experts_starved"] == 6
     assert isinstance(result.loaded.model.layers[1].mlp.experts[7].down_proj, Fp8Linear)
