@@ -122,8 +122,6 @@ class AWQPass(Pass):
             worker.count_experts(stats, windows.numel())
             if worker.starved and opts.starved_experts == "all_tokens":
                 stats |= self._capture_on_every_token(block, worker.starved, block_inputs, cos, sin, positions, sampler)
-                if short := [n for n in worker.starved if stats[n].tokens != windows.numel()]:
-                    raise RuntimeError(f"starved experts' linears {short} did not see every token of the layer")
             starved += sum(len(experts) for experts in experts_of(worker.starved).values())
             report.layers += worker.run(stats, sample)
         report.metrics = _metrics(report.layers, windows, opts)
@@ -151,6 +149,8 @@ class AWQPass(Pass):
         requests = {n: InputRequest(mean_abs=True, gram="sampled") for n in names}
         with every_token_to(block, experts_of(names)):
             _, stats = collect_block(block, x, cos, sin, positions, requests, sampler)
+        if short := [n for n in names if stats.inputs[n].tokens != x.shape[0] * x.shape[1]]:
+            raise RuntimeError(f"starved experts' linears {short} did not see every token of the layer")
         return stats.inputs
 
 

@@ -9,7 +9,11 @@
   hidden channels (as ``test_awq_quality.py`` builds for Llama): RMSNorm weights ×8 on six
   channels, which the calibration domain's merged BPE tokens excite further.
 
-Measured (seed 0; AWQ / RTN held-out error, the bound 0.8): see ``AWQ_VS_RTN`` below.
+AWQ / RTN held-out error, bound 0.8 (seed 0, g32, 4 calibration windows of 64 tokens; Mixtral's
+experts 128 wide): Qwen3 0.19, Gemma 3 0.61, Qwen3-MoE 0.39, Mixtral MIXTRAL.
+Broken on purpose once each: the router left out of the MoE norm's group, or Gemma's fold
+ignoring the (1 + w) offset, changes the folded float logits by 0.57-0.85 (the fold test); a
+router not excluded from quantization fails the compile test's module set.
 """
 from __future__ import annotations
 
@@ -37,8 +41,9 @@ COMPILE_CASES = ["qwen3", "gemma3", "qwen3-moe", "mixtral"]
 SALIENT = 6
 # Larger than the parity configs, so that group-wise INT4 has groups to protect channels in.
 QUALITY_SIZES = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64}
-# Half the default search grids: the compiles here are many, and the guards hold with them.
-AWQ_OPTIONS = {"group_size": 32, "alpha_grid": 10, "clip_grid": 10}
+# AWQ at its defaults but g32 (the tiny models' widths); with half the α and clip grids Gemma 3's
+# ratio to RTN rises from 0.61 to 0.81, so the guard runs the pass as a user would.
+AWQ_OPTIONS = {"group_size": 32}
 
 
 def hf_model(case: str, **overrides):
@@ -173,10 +178,6 @@ class HeldOut:
         e = float(((out - ref).norm(dim=-1) / ref.norm(dim=-1)).mean())
         assert e == e, "NaN output error"
         return e
-
-
-# (AWQ, RTN) held-out errors measured at seed 0, g32, 4 calibration windows of 64 tokens.
-AWQ_VS_RTN = {}
 
 
 @pytest.mark.parametrize("case", COMPILE_CASES)
