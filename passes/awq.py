@@ -44,6 +44,7 @@ import torch
 from compiler.deploy.targets import get_target
 from compiler.errors import ConfigError
 from compiler.formats.int4 import Int4Linear
+from compiler.model.moe import every_token_to, router_names
 from compiler.pipeline import (
     LayerDecision,
     Pass,
@@ -58,7 +59,6 @@ from compiler.pipeline.calibration import (
     collect_block,
 )
 from compiler.progress import track
-from compiler.model.moe import every_token_to, router_names
 from passes.awq_mappings import (
     NO_CLIP,
     SMOOTHING,
@@ -76,7 +76,7 @@ from passes.awq_search import (
     weight_mean,
 )
 from passes.gptq import gptq_int4
-from passes.moe_calibration import experts_of, starved_linears, starved_reason
+from passes.moe_calibration import expert_of, experts_of, starved_linears, starved_reason
 
 
 @register_pass
@@ -172,7 +172,7 @@ class BlockQuantizer:
         """Record each expert linear's routed token count and which converted ones are starved."""
         names = [n for g in self.groups for n in g.linears]
         self.layer_tokens = layer_tokens
-        self.routed = {n: stats[n].tokens for n in names if ".experts." in n}
+        self.routed = {n: stats[n].tokens for n in names if expert_of(n) is not None}
         converted = [n for n in names if self.prefix + n in self.plans]
         self.starved = starved_linears(stats, converted, self.opts.min_expert_tokens)
 
