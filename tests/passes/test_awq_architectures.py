@@ -10,7 +10,7 @@
   channels, which the calibration domain's merged BPE tokens excite further.
 
 AWQ / RTN held-out error, bound 0.8 (seed 0, g32, 4 calibration windows of 64 tokens; Mixtral's
-experts 128 wide): Qwen3 0.19, Gemma 3 0.61, Qwen3-MoE 0.39, Mixtral MIXTRAL.
+experts 128 wide): Qwen3 0.19, Gemma 3 0.61, Qwen3-MoE 0.39, Mixtral 0.57.
 Broken on purpose once each: the router left out of the MoE norm's group, or Gemma's fold
 ignoring the (1 + w) offset, changes the folded float logits by 0.57-0.85 (the fold test); a
 router not excluded from quantization fails the compile test's module set.
