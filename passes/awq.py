@@ -6,14 +6,15 @@ Block by block over the decoder (memory: the calibration activations of one bloc
    block's inputs; the calibration collector (``compiler.pipeline.calibration.collect_block``)
    records, for the input of each scaling group, mean |x| per channel over every token and the
    Gram matrix X^T X of a seeded token subsample (``search_tokens``).
-2. scale search, per scaling group (input_layernorm → q/k/v, v → o, post_attention_layernorm
-   → gate/up, up → down; see ``awq_plan.SCALING_GROUPS``): s = mean|x|^α / mean|ŵ|^(1-α)
+2. scale search, per scaling group (input_layernorm → q/k/v, v → o, the MLP's input norm →
+   gate/up, up → down, per architecture and per expert: ``awq_mappings.SMOOTHING``), s = mean|x|^α / mean|ŵ|^(1-α)
    (AutoAWQ's duo scaling; s = mean|x|^α without it, and by default on up → down, see
    ``ScalingGroup.duo``) over the α grid. Every α is scored by the group's linear output error
    (Gram matrices, cheap); where the group feeds a larger module (q/k/v → self_attn, gate/up →
    mlp) the ``module_candidates`` best are re-scored on that module's output over
    ``module_sequences`` calibration sequences (the reference implementation's block-output
-   criterion), and the best there is kept.
+   criterion), and the best there is kept. Where a group's linears read different tokens (an MoE
+   norm's experts), the Gram loss is each expert's on its own tokens, weighted by their number.
 3. fold: the input columns of the group's linears are multiplied by s and ``prev``'s output
    (RMSNorm weight or Linear rows) divided by s — the float model is unchanged.
 4. clip search per (row, group): the max-value shrink ratio minimising output error.
@@ -21,6 +22,10 @@ Block by block over the decoder (memory: the calibration activations of one bloc
    zero points of the clipped groups, the codes by GPTQ's error-compensating rounding over the
    same Gram matrix (``weight_rounding = "gptq"``, the default; "nearest" is plain AWQ). A layer
    whose relative output error exceeds ``max_layer_error`` is retried with smaller groups.
+
+MoE layers: each expert's statistics are of the tokens routed to it, its report rows give their
+number (``expert_tokens``), a starved expert gets ``starved_experts``' policy
+(``passes/moe_calibration.py``), and the router stays in float (its columns take the norm's scale).
 
 The Gram loss (``awq_search``) makes a grid point one small matmul, not a forward pass over the
 calibration set; the module forwards run only for the shortlist, on a few sequences. Example::
@@ -31,6 +36,7 @@ calibration set; the module forwards run only for the shortlist, on a few sequen
 """
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import torch
@@ -38,6 +44,7 @@ import torch
 from compiler.deploy.targets import get_target
 from compiler.errors import ConfigError
 from compiler.formats.int4 import Int4Linear
+from compiler.model.moe import every_token_to, router_names
 from compiler.pipeline import (
     LayerDecision,
     Pass,
@@ -52,17 +59,15 @@ from compiler.pipeline.calibration import (
     collect_block,
 )
 from compiler.progress import track
-from passes.awq_plan import (
-    MIN_EXPERT_TOKENS,
+from passes.awq_mappings import (
     NO_CLIP,
-    SCALING_GROUPS,
-    AWQOptions,
-    LayerPlan,
+    SMOOTHING,
     ScalingGroup,
-    plan_layers,
-    scaling_groups,
-    smaller_groups,
+    expand_columns,
+    fold_scales,
+    layer_groups,
 )
+from passes.awq_plan import AWQOptions, LayerPlan, plan_layers, smaller_groups
 from passes.awq_search import (
     quant_error,
     rank_scales,
@@ -71,6 +76,7 @@ from passes.awq_search import (
     weight_mean,
 )
 from passes.gptq import gptq_int4
+from passes.moe_calibration import expert_of, experts_of, starved_linears, starved_reason
 
 
 @register_pass
@@ -84,8 +90,8 @@ class AWQPass(Pass):
     invalidates = frozenset({"float_weights"})
 
     def check(self, config):
-        if config.architecture not in SCALING_GROUPS:
-            raise ConfigError(f"awq has no scaling groups for {config.architecture}; supported: {', '.join(SCALING_GROUPS)}")
+        if config.architecture not in SMOOTHING:
+            raise ConfigError(f"awq has no scaling groups for {config.architecture}; supported: {', '.join(SMOOTHING)}")
         plan_layers(config, self.options)
 
     def planned_formats(self, config):
@@ -99,50 +105,82 @@ class AWQPass(Pass):
         windows = context.calibration_windows()  # [S, T]
         report = PassReport(self.name)
         report.layers += [LayerDecision(n, "float", f"modules_to_not_convert {p!r}") for n, p in excluded.items()]
+        report.layers += [LayerDecision(n, "float", "router: stays in float (its columns take the norm's scale)")
+                          for n in router_names(model.config)]
         sampler = TokenSampler(opts.search_tokens, windows.numel(), torch.Generator().manual_seed(context.calibration.seed))
         x = model.embed_tokens(windows)  # [S, T, dim]
         positions = torch.arange(windows.shape[1]).expand(min(opts.batch_size, len(windows)), -1)
         cos, sin = model.rope(positions, x.dtype)
-        prefix_of = {id(b): f"layers.{i}." for i, b in enumerate(model.layers)}
         k = min(opts.module_sequences, positions.shape[0])
+        starved = 0
         for i, block in enumerate(track(model.layers, "awq: blocks", total=len(model.layers))):
+            groups = layer_groups(model.config, i)
             sample = (x[:k], cos[:k], sin[:k], positions[:k])  # the block's float inputs, for module scoring
-            x, stats = self._capture(block, scaling_groups(model.config, i), x, cos, sin, positions, sampler)
-            worker = BlockQuantizer(model, prefix_of[id(block)], plans, opts, context.target)
+            block_inputs = x
+            x, stats = self._capture(block, groups, x, cos, sin, positions, sampler)
+            worker = BlockQuantizer(model, f"layers.{i}.", plans, opts, context.target, groups)
+            worker.count_experts(stats, windows.numel())
+            if worker.starved and opts.starved_experts == "all_tokens":
+                stats |= self._capture_on_every_token(block, worker.starved, block_inputs, cos, sin, positions, sampler)
+            starved += sum(len(experts) for experts in experts_of(worker.starved).values())
             report.layers += worker.run(stats, sample)
         report.metrics = _metrics(report.layers, windows, opts)
+        if model.config.spec.is_moe:
+            report.metrics["experts_starved"] = starved
         scoring = (f"the best {opts.module_candidates} re-scored on self_attn / mlp outputs over {k} sequences"
                    if opts.module_candidates > 1 and k else "scored on the linears' own output error")
         report.notes.append(f"α grid of {opts.alpha_grid} (duo scaling {opts.duo_scaling}), "
                             f"{scoring}; clip search skips q_proj/k_proj (as llm-awq); "
                             f"{'GPTQ' if opts.weight_rounding == 'gptq' else 'round-to-nearest'} rounding")
-        if model.config.spec.ffn == "deepseek_moe":
-            report.notes.append(
-                "DeepSeek-V3: the router stays float and its weight columns take post_attention_layernorm's "
-                "scales; routed experts' gate/up are scaled on every token (their shared input), each down_proj "
-                f"on the tokens routed to its expert (fewer than {MIN_EXPERT_TOKENS}: no scaling, see each "
-                "row's reason); o_proj is clipped and quantized without smoothing, as llm-compressor")
+        if unsmoothed := sorted({n for g in layer_groups(model.config, 0) if g.prev is None for n in g.linears}):
+            report.notes.append(f"{', '.join(unsmoothed)}: clipped and quantized without smoothing "
+                                "(no exact fold for its input; as llm-compressor)")
         return report
 
     @staticmethod
     def _capture(block, groups: tuple[ScalingGroup, ...], x, cos, sin, positions, sampler: TokenSampler):
-        """Run the float block over every sequence; return its outputs and, per scaling group's
-        observed module, mean |x| and the Gram matrix of the sampled tokens of its input (of all
-        of them for a routed expert's, which sees only some of the tokens)."""
-        requests = {g.observed: InputRequest(mean_abs=True, gram="all" if g.routed else "sampled") for g in groups}
+        """Run the float block over every sequence; return its outputs and, per linear of a
+        scaling group, mean |x| and the Gram matrix of the sampled tokens of its input (linears
+        reading one tensor share one set; an expert's are of the tokens routed to it)."""
+        requests = {n: InputRequest(mean_abs=True, gram="sampled") for g in groups for n in g.linears}
         out, stats = collect_block(block, x, cos, sin, positions, requests, sampler)
         return out, stats.inputs
+
+    @staticmethod
+    def _capture_on_every_token(block, names: list[str], x, cos, sin, positions, sampler: TokenSampler):
+        """Statistics of the starved experts' ``names``, with every token of the layer routed to them."""
+        requests = {n: InputRequest(mean_abs=True, gram="sampled") for n in names}
+        with every_token_to(block, experts_of(names)):
+            _, stats = collect_block(block, x, cos, sin, positions, requests, sampler)
+        if short := [n for n in names if stats.inputs[n].tokens != x.shape[0] * x.shape[1]]:
+            raise RuntimeError(f"starved experts' linears {short} did not see every token of the layer")
+        return stats.inputs
 
 
 class BlockQuantizer:
     """Scale search, folding, clip search and quantization of one decoder block."""
 
-    def __init__(self, model, prefix: str, plans: dict[str, LayerPlan], opts: AWQOptions, target: str | None):
+    def __init__(self, model, prefix: str, plans: dict[str, LayerPlan], opts: AWQOptions, target: str | None,
+                 groups: tuple[ScalingGroup, ...]):
         self.model, self.prefix, self.plans, self.opts, self.target = model, prefix, plans, opts, target
+        self.groups = groups
         self.block = model.get_submodule(prefix.rstrip("."))
         self.config = model.config
-        self.groups = scaling_groups(self.config, int(prefix.split(".")[1]))
         self.inspected: dict[str, tuple[tuple, torch.Tensor]] = {}  # set by run(); empty: Gram loss only
+        self.routed: dict[str, int] = {}  # expert linear (relative name) -> calibration tokens routed to it
+        self.starved: list[str] = []  # the converted expert linears below min_expert_tokens
+        self.layer_tokens = 0
+
+    def count_experts(self, stats: dict[str, InputStatistics], layer_tokens: int) -> None:
+        """Record each expert linear's routed token count and which converted ones are starved."""
+        names = [n for g in self.groups for n in g.linears]
+        self.layer_tokens = layer_tokens
+        self.routed = {n: stats[n].tokens for n in names if expert_of(n) is not None}
+        converted = [n for n in names if self.prefix + n in self.plans]
+        self.starved = starved_linears(stats, converted, self.opts.min_expert_tokens)
+
+    def _rtn_only(self, name: str) -> bool:
+        return name in self.starved and self.opts.starved_experts == "rtn"
 
     def run(self, stats: dict[str, InputStatistics], sample: tuple) -> list[LayerDecision]:
         """Search, fold and quantize; return one report row per converted linear. ``sample``:
@@ -167,32 +205,41 @@ class BlockQuantizer:
         searched = []
         # Search every group on the original block first (as llm-awq does), then fold all scales.
         for group in self.groups:
-            st = stats[group.observed]
-            few = group.routed and st.tokens < MIN_EXPERT_TOKENS
-            h = torch.eye(st.mean_abs.numel()) if few else st.hessian  # too few tokens: the weight error alone
             for name in group.linears:
-                hessians[name] = h
+                h = hessians[name] = stats[name].hessian
                 if (plan := self.plans.get(self.prefix + name)) is not None:
-                    w = self.block.get_submodule(name).weight.float()
-                    rtn = relative_error(w, quant_error(w, plan.group_size, self.opts.zero_point), h)
                     rows[name] = LayerDecision(plan.name, "int4", plan.reason, {
-                        "group_size": plan.group_size, "scale_group": _group_label(group), "rel_error_rtn": rtn})
-                    if group.routed:
-                        rows[name].metrics["tokens"] = st.tokens
-                    if few:
-                        rows[name].reason += (f"; its expert received {st.tokens} calibration tokens (< "
-                                              f"{MIN_EXPERT_TOKENS}): no scaling, clip and rounding on the weight error")
-            searched.append((group, None if few else self._search(group, st, h)))
+                        "group_size": plan.group_size, "scale_group": _group_label(group),
+                        "rel_error_rtn": self._rtn_error(name, plan, h, stats[name].tokens)})
+                    self._note_expert(name, rows[name], stats[name].tokens)
+            searched.append((group, self._search(group, stats)))
         for group, found in searched:
             if found is None:
                 continue
             s, s_cols, alpha = found
-            self._fold(group, s, s_cols)
+            fold_scales(self.block, group, s, s_cols)
             for name in group.linears:
                 hessians[name] = hessians[name] / torch.outer(s_cols, s_cols)
                 if name in rows:
                     rows[name].metrics["alpha"] = alpha
         return rows, hessians
+
+    def _rtn_error(self, name: str, plan: LayerPlan, h: torch.Tensor, tokens: int) -> float | None:
+        if tokens == 0:
+            return None  # no calibration token: no output error to measure
+        w = self.block.get_submodule(name).weight.float()
+        return relative_error(w, quant_error(w, plan.group_size, self.opts.zero_point), h)
+
+    def _note_expert(self, name: str, row: LayerDecision, calibrated_on: int) -> None:
+        """An expert's row: its routed token count, and the starved-expert policy if it applied
+        (with the tokens its statistics then hold)."""
+        if name not in self.routed:
+            return
+        row.metrics["expert_tokens"] = self.routed[name]
+        if name in self.starved:
+            row.metrics["calibration_tokens"] = calibrated_on
+            row.reason = starved_reason(self.routed[name], self.layer_tokens, self.opts.min_expert_tokens,
+                                        self.opts.starved_experts)
 
     def _inspect_modules(self, sample: tuple) -> dict[str, tuple[tuple, torch.Tensor]]:
         """Float (args, output) of each group's ``inspect`` module on the sample sequences."""
@@ -227,33 +274,21 @@ class BlockQuantizer:
             for name, w in saved.items():
                 self.block.get_submodule(name).weight.data = w
 
-    def _expand(self, group: ScalingGroup) -> torch.Tensor | None:
-        """Map from consumer input columns to ``prev``'s output channels (GQA: v → o), or None."""
-        prev = self.block.get_submodule(group.prev)
-        k = self.block.get_submodule(group.linears[0]).in_features
-        c = prev.weight.shape[0]
-        if c == k:
-            return None
-        hd, n_rep = self.config.head_dim, self.config.n_heads // self.config.n_kv_heads
-        if c * n_rep != k or not isinstance(prev, torch.nn.Linear):
-            raise ValueError(f"{self.prefix}{group.prev} ({c} outputs) cannot feed {group.linears[0]} ({k} inputs)")
-        col = torch.arange(k)
-        return (col // hd // n_rep) * hd + col % hd  # q head h reads kv head h // n_rep
-
-    def _search(self, group: ScalingGroup, st: InputStatistics, h: torch.Tensor):
+    def _search(self, group: ScalingGroup, stats: dict[str, InputStatistics]):
         converted = [n for n in group.linears if self.prefix + n in self.plans]
-        if not converted or group.prev is None:
-            return None  # nothing quantized here, or nothing to fold into: no reason to move the scales
-        expand = self._expand(group)
+        searched = [n for n in converted if not self._rtn_only(n)]
+        if not searched or group.prev is None:
+            return None  # nothing quantized here (or only round-to-nearest), or nothing to fold into
+        expand = expand_columns(self.block, group, self.config)
         c = self.block.get_submodule(group.prev).weight.shape[0]
         to_channels = (lambda v: v) if expand is None else (lambda v: _average_by(v, expand, c))  # columns -> prev's channels
         to_columns = (lambda s: s) if expand is None else (lambda s: s[expand])  # and back
-        mean = to_channels(st.mean_abs)
-        w = torch.cat([self.block.get_submodule(n).weight.float() for n in converted])
-        g = self.plans[self.prefix + converted[0]].group_size
+        mean = to_channels(stats[group.linears[0]].mean_abs)
+        parts = self._loss_parts(searched, stats)
+        g = self.plans[self.prefix + searched[0]].group_size
         duo = self.opts.duo_scaling == "all" or self.opts.duo_scaling == "auto" and group.duo
-        w_mean = to_channels(weight_mean(w, g)) if duo else None
-        ranked = rank_scales(w, mean, h, g, self.opts.zero_point, self.opts.alpha_grid, expand, w_mean)
+        w_mean = to_channels(_weight_mean(parts, g)) if duo else None
+        ranked = rank_scales(parts, mean, g, self.opts.zero_point, self.opts.alpha_grid, expand, w_mean)
         if group.inspect in self.inspected:  # the Gram loss shortlists, the module's output decides
             shortlist = ranked[: self.opts.module_candidates]
             ranked = sorted(((self._module_error(group, converted, to_columns(s)), a, s) for _, a, s in shortlist),
@@ -261,18 +296,20 @@ class BlockQuantizer:
         _, alpha, s = ranked[0]
         return s, to_columns(s), alpha
 
-    def _fold(self, group: ScalingGroup, s: torch.Tensor, s_cols: torch.Tensor) -> None:
-        """x' = x / s at ``prev``'s output, W' = W * s on the consumers' columns."""
-        prev = self.block.get_submodule(group.prev)
-        if isinstance(prev, torch.nn.Linear):
-            prev.weight.div_(s.to(prev.weight.dtype)[:, None])
-            if prev.bias is not None:
-                prev.bias.div_(s.to(prev.bias.dtype))
-        else:  # RMSNorm: y = weight * normalised(x)
-            prev.weight.div_(s.to(prev.weight.dtype))
-        for name in group.linears:
-            lin = self.block.get_submodule(name)
-            lin.weight.mul_(s_cols.to(lin.weight.dtype)[None, :])
+    def _loss_parts(self, names: list[str], stats: dict[str, InputStatistics]) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """(stacked weights, Gram matrix, weight) per distinct input among ``names``' linears: one
+        part where they read one tensor (q/k/v, gate/up); in an MoE norm's group one per expert,
+        weighted by its share of the routed tokens, so that each expert's error counts on its tokens."""
+        by_input: dict[int, list[str]] = {}
+        for n in names:
+            by_input.setdefault(id(stats[n]), []).append(n)
+        if len(by_input) == 1:
+            shares = [1.0]
+        else:
+            counts = [self.routed.get(ns[0], stats[ns[0]].tokens) for ns in by_input.values()]
+            shares = [c / max(sum(counts), 1) for c in counts]
+        return [(torch.cat([self.block.get_submodule(n).weight.float() for n in ns]), stats[ns[0]].hessian, share)
+                for ns, share in zip(by_input.values(), shares)]
 
     def _quantize(self, name: str, h: torch.Tensor) -> tuple[dict, str | None]:
         """Clip-search and quantize one (already scaled) linear; retry smaller groups if too lossy.
@@ -281,6 +318,11 @@ class BlockQuantizer:
         linear = self.block.get_submodule(name)
         w = linear.weight.float()
         g, why = plan.group_size, None
+        if self._rtn_only(name):  # a starved expert under starved_experts = "rtn"
+            q = Int4Linear.from_float(linear, g, opts.zero_point)
+            err = relative_error(w, q.dequantized_weight().float() - w, h) if self.routed[name] else None
+            self.block.set_submodule(name, q)
+            return {"group_size": g, "rel_error_awq": err}, None
         while True:
             clip = (search_clip(w, h, g, opts.zero_point, opts.clip_grid, opts.max_shrink)
                     if opts.clip_search and name not in NO_CLIP else torch.ones(1))
@@ -311,14 +353,27 @@ def _average_by(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tens
     return torch.zeros(n).index_add_(0, index, values) / torch.bincount(index, minlength=n)
 
 
+def _weight_mean(parts: list[tuple[torch.Tensor, torch.Tensor, float]], group_size: int) -> torch.Tensor:
+    """``weight_mean`` over the rows of every part's weights (duo scaling's weight term)."""
+    if len(parts) == 1:
+        return weight_mean(parts[0][0], group_size)
+    rows = sum(w.shape[0] for w, _, _ in parts)
+    return sum(weight_mean(w, group_size) * (w.shape[0] / rows) for w, _, _ in parts)
+
+
 def _group_label(group: ScalingGroup) -> str:
-    kinds = dict.fromkeys(n.rpartition('.')[2] for n in group.linears)  # experts' gate/up: named once
-    return f"{group.prev or '(no smoothing)'} → {', '.join(kinds)}"
+    """'input_layernorm → q_proj, k_proj, v_proj'; 'post_attention_layernorm → gate, experts.*.gate_proj, …'."""
+    short = [re.sub(r".*\.(experts)\.\d+\.", r"\1.*.", n) if ".experts." in n else n.rpartition(".")[2]
+             for n in group.linears]
+    return f"{group.prev or '(no smoothing)'} → {', '.join(dict.fromkeys(short))}"
 
 
 def _metrics(layers: list[LayerDecision], windows: torch.Tensor, opts: AWQOptions) -> dict:
     quantized = [r.metrics for r in layers if r.format == "int4"]
-    mean = lambda key: sum(r[key] for r in quantized) / max(len(quantized), 1)  # noqa: E731
+    def mean(key: str) -> float:  # over the layers that have the figure (a starved expert may have none)
+        values = [r[key] for r in quantized if r.get(key) is not None]
+        return sum(values) / max(len(values), 1)
+
     sizes: dict[str, int] = {}
     for r in quantized:
         sizes[f"g{r['group_size']}"] = sizes.get(f"g{r['group_size']}", 0) + 1

@@ -1,4 +1,4 @@
-"""AWQ's options, its scaling groups (as data) and the per-layer group-size plan.
+"""AWQ's options and the per-layer group-size plan (its scaling groups: ``awq_mappings.py``).
 
 Planning needs only the model config, so ``planned_formats`` and the target checks run
 before any calibration work.
@@ -8,12 +8,12 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Literal
 
 from compiler.errors import ConfigError
 from compiler.formats.qlinear import linear_modules
 from compiler.model.config import ModelConfig
-from compiler.pipeline.calibration import MIN_CALIBRATION_TOKENS
+from compiler.model.moe import router_names
 from compiler.pipeline.selection import excluded_by, meta_model
 from compiler.quant.int4 import GROUP_SIZES, padded_width
 
@@ -37,6 +37,10 @@ class AWQOptions:
     weight_rounding = "gptq"      # GPTQ's error-compensating rounding on AWQ's scales and clip ("nearest": RTN)
     gptq_damp = 0.01              # GPTQ's dampening, a fraction of the Hessian's mean diagonal
     modules_to_not_convert = ["lm_head"]  # kept in float: globs over names or dotted parts (compiler/pipeline/selection.py)
+    min_expert_tokens = 32        # MoE: an expert routed fewer calibration tokens than this is "starved"
+    starved_experts = "all_tokens"  # calibrate a starved expert on every token of its layer, or "rtn": round-to-nearest
+
+    MoE routers stay in float whatever the options say (``ArchSpec.router``).
     """
 
     group_size: int = 128
@@ -55,6 +59,8 @@ class AWQOptions:
     module_candidates: int = 4
     module_sequences: int = 4
     batch_size: int = 8
+    min_expert_tokens: int = 32
+    starved_experts: Literal["all_tokens", "rtn"] = "all_tokens"
 
     def __post_init__(self):
         if self.group_size not in GROUP_SIZES:
@@ -71,60 +77,8 @@ class AWQOptions:
             raise ValueError(f"gptq_damp must be in (0, 1), got {self.gptq_damp}")
         if self.module_candidates < 0 or self.module_sequences < 0:
             raise ValueError("module_candidates and module_sequences must be >= 0 (0 or 1: score on the linears' own error)")
-
-
-@dataclass(frozen=True)
-class ScalingGroup:
-    """Linears sharing one input whose channels ``prev`` (an RMSNorm or a Linear) produces:
-    scaling those input channels by s and ``prev``'s output by 1/s leaves the float model unchanged.
-    ``prev`` None: no smoothing, the linears are only clipped and quantized on their statistics."""
-
-    prev: str | None
-    linears: tuple[str, ...]
-    # The module whose output scores the α grid when it is more than the linears themselves
-    # (AutoAWQ's ``module2inspect``): errors in q/k pass through softmax, in gate/up through SiLU.
-    inspect: str | None = None
-    # Whether duo scaling applies here under duo_scaling = "auto". On SmolLM2-135M
-    # (docs/notes/2026-11-awq-int4-smollm2.md) duo scaling on up → down costs 0.29 perplexity at g128
-    # and gains 0.12 at g64, so "auto" leaves it out there; "all" (AutoAWQ) puts it back.
-    duo: bool = True
-    # Where the group's input statistics are recorded (default: its first linear), e.g. a module
-    # that sees every token where the first linear may not (DeepSeek's router before its experts).
-    observe: str | None = None
-    # The input is only the tokens a router sends to one expert: statistics over all of them
-    # (not a token sample), and too few of them (``MIN_EXPERT_TOKENS``) skip the scale search.
-    routed: bool = False
-
-    @property
-    def observed(self) -> str:
-        return self.observe or self.linears[0]
-
-
-# llm-awq / AutoAWQ's mappings for the Llama family, keyed by architecture (as llm-compressor does).
-LLAMA_GROUPS = (
-    ScalingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), inspect="self_attn"),
-    ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",)),
-    ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), inspect="mlp"),
-    ScalingGroup("mlp.up_proj", ("mlp.down_proj",), duo=False),
-)
-# Per block: a tuple for every block alike, or a function of (config, layer index).
-SCALING_GROUPS: dict[str, tuple[ScalingGroup, ...] | Callable[[ModelConfig, int], tuple[ScalingGroup, ...]]] = {
-    "LlamaForCausalLM": LLAMA_GROUPS, "MistralForCausalLM": LLAMA_GROUPS, "Qwen2ForCausalLM": LLAMA_GROUPS}
-
-# Attention logits are a product of q and k: clipping them by their own output error misleads
-# (llm-awq skips them too). MLA's q and k come from all its projections but o_proj.
-NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.q_a_proj", "self_attn.q_b_proj",
-           "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj")
-
-# A routed expert whose input saw fewer calibration tokens keeps its scales at 1 (plain RTN
-# grid, clip and rounding against the weight error alone): too few tokens to choose scales on.
-MIN_EXPERT_TOKENS = MIN_CALIBRATION_TOKENS
-
-
-def scaling_groups(config: ModelConfig, layer_idx: int) -> tuple[ScalingGroup, ...]:
-    """The scaling groups of block ``layer_idx`` (names relative to the block)."""
-    groups = SCALING_GROUPS[config.architecture]
-    return groups(config, layer_idx) if callable(groups) else groups
+        if self.min_expert_tokens < 1:
+            raise ValueError(f"min_expert_tokens must be >= 1, got {self.min_expert_tokens}")
 
 
 @dataclass(frozen=True)
@@ -185,11 +139,15 @@ def _ranges(ix: list[int]) -> str:
 
 
 def plan_layers(config: ModelConfig, options: AWQOptions) -> tuple[dict[str, LayerPlan], dict[str, str]]:
-    """(plans of the linears to convert, {excluded linear: pattern}); raises on policy ``error``."""
+    """(plans of the linears to convert, {excluded linear: pattern}); raises on policy ``error``.
+    Routers are in neither: they are never converted."""
     g = options.group_size
     plans, excluded = {}, {}
     offenders: dict[int, list[str]] = defaultdict(list)
+    routers = set(router_names(config))
     for name, (k, n) in float_linears(config).items():
+        if name in routers:
+            continue
         if (pattern := excluded_by(name, options.modules_to_not_convert)) is not None:
             excluded[name] = pattern
             continue
@@ -207,43 +165,3 @@ def plan_layers(config: ModelConfig, options: AWQOptions) -> tuple[dict[str, Lay
                else 'use group_size_policy = "fallback" or "pad", or a group size that divides them')
         raise ConfigError(f"awq: group_size {g} does not divide in_features of {listed}; {fix}")
     return plans, excluded
-
-
-# DeepSeek-V3 (llm-compressor's mappings for MLA, plus the experts). Every fold is exact:
-# - input_layernorm -> q_a_proj (or q_proj), kv_a_proj_with_mqa; q_a_layernorm -> q_b_proj;
-#   kv_a_layernorm -> kv_b_proj (the cached latent is the scaled c, kv_b_proj undoes it).
-# - o_proj is not smoothed, as llm-compressor: its input channels are values that kv_b_proj
-#   makes together with the keys' rows, a fold this table's (prev, linears) form cannot name yet
-#   (it would divide only kv_b_proj's value rows by s; exact, left for later).
-# - post_attention_layernorm -> the shared and every routed expert's gate/up, and the router,
-#   whose float weight columns take the scales so that routing is unchanged; observed at the
-#   router (every token), so the routed experts' gate/up are scaled on all tokens, as their
-#   shared input is (their own tokens are a subset).
-# - up -> down in each expert; a routed expert's statistics are the tokens routed to it.
-def _mla_groups(config: ModelConfig) -> tuple[ScalingGroup, ...]:
-    q = (("self_attn.q_a_proj",) if config.q_lora_rank else ("self_attn.q_proj",))
-    groups = [ScalingGroup("input_layernorm", (*q, "self_attn.kv_a_proj_with_mqa"), inspect="self_attn")]
-    if config.q_lora_rank:
-        groups.append(ScalingGroup("self_attn.q_a_layernorm", ("self_attn.q_b_proj",), inspect="self_attn"))
-    groups.append(ScalingGroup("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",), inspect="self_attn"))
-    groups.append(ScalingGroup(None, ("self_attn.o_proj",)))
-    return tuple(groups)
-
-
-def _deepseek_moe_groups(config: ModelConfig) -> tuple[ScalingGroup, ...]:
-    shared = ("mlp.shared_experts",) if config.n_shared_experts else ()
-    experts = [f"mlp.experts.{e}" for e in range(config.num_experts)]
-    gate_up = tuple(f"{m}.{p}" for m in (*shared, *experts) for p in ("gate_proj", "up_proj"))
-    return (ScalingGroup("post_attention_layernorm", (*gate_up, "mlp.gate"), inspect="mlp", observe="mlp.gate"),
-            *(ScalingGroup(f"{m}.up_proj", (f"{m}.down_proj",), duo=False) for m in shared),
-            *(ScalingGroup(f"{m}.up_proj", (f"{m}.down_proj",), duo=False, routed=True) for m in experts))
-
-
-def deepseek_groups(config: ModelConfig, layer_idx: int) -> tuple[ScalingGroup, ...]:
-    """DeepSeek-V3's scaling groups of block ``layer_idx``: MLA's, then the dense MLP's (the first
-    ``first_k_dense_replace`` blocks) or the experts'."""
-    ffn = _deepseek_moe_groups(config) if config.is_moe_layer(layer_idx) else LLAMA_GROUPS[2:]
-    return _mla_groups(config) + ffn
-
-
-SCALING_GROUPS["DeepseekV3ForCausalLM"] = deepseek_groups

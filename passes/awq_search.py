@@ -71,25 +71,30 @@ def weight_mean(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return (g / (g.amax(-1, keepdim=True) + 1e-6)).view(w.shape[0], -1)[:, : w.shape[1]].mean(0)
 
 
-def rank_scales(weights: torch.Tensor, stats_mean: torch.Tensor, hessian: torch.Tensor, group_size: int,
+def rank_scales(parts: list[tuple[torch.Tensor, torch.Tensor, float]], stats_mean: torch.Tensor, group_size: int,
                 zero_point: bool, grid: int, expand: torch.Tensor | None = None,
                 w_mean: torch.Tensor | None = None) -> list[tuple[float, float, torch.Tensor]]:
-    """Every α of the grid for ``weights`` [N, K] (a scaling group's linears, stacked), as
-    (error, α, s [C]) sorted best first by the linears' own output error (the Gram loss).
+    """Every α of the grid for a scaling group's linears, as (error, α, s [C]) sorted best first by
+    their output error (the Gram loss). ``parts``: (weights [N, K], H [K, K], share) per distinct
+    input, the linears reading it stacked; the error is Σ share · output error (one part of
+    share 1 unless an MoE norm feeds experts that see different tokens).
 
     ``stats_mean`` [C] is mean |x| per *scalable* channel; ``expand`` [K] maps each input column
     to its scalable channel when they differ (GQA: one v channel feeds n_heads / n_kv_heads
     columns of o_proj). α runs over {0, 1/grid, …}; without ``w_mean``, α = 0 is plain RTN.
     """
-    w = weights.float()
+    parts = [(w.float(), h, share) for w, h, share in parts]
     ranked = []
     for i in range(grid):
         alpha = i / grid
         s = candidate_scales(stats_mean, alpha, w_mean)
         s_cols = s if expand is None else s[expand]
-        # Quantize the scaled weight, then undo the scale: the error as the float model sees it.
-        delta = quant_error(w * s_cols, group_size, zero_point) / s_cols
-        ranked.append((float(output_error(delta, hessian)), alpha, s))
+        error = 0.0
+        for w, h, share in parts:
+            # Quantize the scaled weight, then undo the scale: the error as the float model sees it.
+            delta = quant_error(w * s_cols, group_size, zero_point) / s_cols
+            error += share * float(output_error(delta, h))
+        ranked.append((error, alpha, s))
     return sorted(ranked, key=lambda r: r[0])
 
 

@@ -13,6 +13,8 @@
     max_layer_error = 0.1               # relative output error above which a layer stays in float
     weight_rounding = "gptq"            # error-compensating rounding on calibration inputs; or "nearest"
     kv_cache_dtype = "float8_e4m3fn"    # "none" keeps the KV cache in the model dtype
+    min_expert_tokens = 32              # MoE: an expert routed fewer calibration tokens is "starved"
+    starved_experts = "all_tokens"      # calibrate it on every token of its layer, or "float": keep it in float
 
 Phases: (1) run the calibration windows through the model in its dtype, the shared collector
 (``compiler/pipeline/calibration.py``) recording for each candidate Linear what the options need
@@ -26,6 +28,11 @@ the columns not yet rounded; weight scales stay the abs-max ones), measure its r
 output error on the sampled rows and keep it in float if that exceeds ``max_layer_error`` (a
 recorded decision, never silent); (3) install the FP8 KV rounding and record its scales in the
 manifest's ``kv_cache`` entry for the engine. Formats and buffers: ``compiler/formats/fp8.py``.
+
+Mixture of experts: the routers stay in float (``ArchSpec.router``); each expert's statistics (its
+static activation scale among them) are of the tokens routed to it, its rows give their number
+(``expert_tokens``), and an expert routed fewer than ``min_expert_tokens`` gets ``starved_experts``'
+policy (``passes/moe_calibration.py``), named in its rows.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ from compiler.formats.fp8 import Fp8Format, Fp8Linear
 from compiler.formats.fp8_kv import install_kv_quant, kv_cache_entry
 from compiler.formats.qlinear import linear_modules
 from compiler.model.config import ModelConfig
+from compiler.model.moe import every_token_to, router_names
 from compiler.model.transformer import Transformer
 from compiler.pipeline import (
     LayerDecision,
@@ -50,10 +58,10 @@ from compiler.pipeline import (
     register_pass,
 )
 from compiler.pipeline.calibration import (
-    MIN_CALIBRATION_TOKENS,
     CalibrationStatistics,
     InputRequest,
     InputStatistics,
+    collect_model,
 )
 from compiler.pipeline.selection import meta_model, select_linears
 from compiler.progress import track
@@ -66,6 +74,7 @@ from compiler.quant.fp8 import (
     weight_scale,
 )
 from passes.gptq import gptq_round
+from passes.moe_calibration import expert_of, experts_of, starved_linears, starved_reason
 
 
 @dataclass
@@ -104,6 +113,8 @@ class Fp8Options:
     kv_cache_granularity: Literal["per_tensor", "per_head"] = "per_head"
     calibration_samples: int | None = None  # windows to calibrate on; default [calibration].samples
     error_tokens: int = 256  # input rows per layer sampled for the fallback decision
+    min_expert_tokens: int = 32
+    starved_experts: Literal["all_tokens", "float"] = "all_tokens"
 
     def __post_init__(self):
         if not 0 < self.percentile <= 100:
@@ -118,6 +129,8 @@ class Fp8Options:
             raise ValueError(f"outlier_channels must be >= 0, got {self.outlier_channels}")
         if self.error_tokens < 1:
             raise ValueError(f"error_tokens must be >= 1, got {self.error_tokens}")
+        if self.min_expert_tokens < 1:
+            raise ValueError(f"min_expert_tokens must be >= 1, got {self.min_expert_tokens}")
         if self.activation_group_size < 0 or self.activation_group_size % 16:
             raise ValueError("activation_group_size must be 0 or a positive multiple of 16, "
                              f"got {self.activation_group_size}")
@@ -148,7 +161,9 @@ class Fp8Pass(Pass):
         """(the Linears to convert, {excluded Linear: the pattern naming it})."""
         if not self.options.convert_linears:
             return [], {}
-        return select_linears(model, self.options.modules_to_not_convert)
+        selected, excluded = select_linears(model, self.options.modules_to_not_convert)
+        routers = set(router_names(model.config))
+        return [n for n in selected if n not in routers], excluded
 
     def planned_formats(self, config: ModelConfig) -> dict[str, dict]:
         model = meta_model(config)
@@ -159,11 +174,6 @@ class Fp8Pass(Pass):
         if config.spec.attention == "mla" and self.options.kv_cache_dtype != "none":
             raise ConfigError(f"fp8 kv_cache_dtype is not supported for {config.architecture}: its cache holds MLA's "
                               "latent, which has no calibrated FP8 scales; use kv_cache_dtype = \"none\"")
-        # A router would be cast (DeepSeek-V3's is no Linear: it stays float) and the experts calibrated
-        # on the whole token count.
-        if config.spec.is_moe and config.spec.ffn != "deepseek_moe":
-            raise ConfigError(f"fp8 cannot quantize {config.architecture} yet: mixture-of-experts needs a float router "
-                              "and per-expert calibration; use a dense architecture")
         model = meta_model(config)
         candidates = self._select(model)[0]
         outliers = self.options.outlier_channels
@@ -185,12 +195,20 @@ class Fp8Pass(Pass):
         report = PassReport(self.name)
         candidates, excluded = self._select(model)
         stats = self._calibrate(model, context, candidates)
-        rows = [self._convert(model, name, stats.inputs.get(name)) for name in track(candidates, "fp8: quantizing layers")]
-        report.layers = [LayerDecision(n, "float", f"modules_to_not_convert {p!r}") for n, p in excluded.items()] + rows
+        routed = {n: stats.inputs[n].tokens for n in candidates if expert_of(n) is not None and n in stats.inputs}
+        stats, starved = self._calibrate_starved(model, context, stats, candidates)
+        rows = [self._convert(model, name, stats.inputs.get(name), routed.get(name), starved.get(name))
+                for name in track(candidates, "fp8: quantizing layers")]
+        report.layers = [LayerDecision(n, "float", f"modules_to_not_convert {p!r}") for n, p in excluded.items()]
+        report.layers += [LayerDecision(n, "float", "router: stays in float") for n in router_names(model.config)
+                          if o.convert_linears]
+        report.layers += rows
+        if model.config.spec.is_moe and o.convert_linears:
+            report.metrics["experts_starved"] = sum(len(e) for e in experts_of(list(starved)).values())
         kept = [r.module for r in rows if r.format == "float"]
         errors = [r.metrics["rel_error"] for r in rows if "rel_error" in r.metrics]
-        report.metrics = {"converted": len(candidates) - len(kept), "fallback": len(kept),
-                          "weight_dtype": o.weight_dtype, "activations": o.activation_scheme}
+        report.metrics |= {"converted": len(candidates) - len(kept), "fallback": len(kept),
+                           "weight_dtype": o.weight_dtype, "activations": o.activation_scheme}
         if o.outlier_channels:
             report.metrics["outlier_channels"] = o.outlier_channels
         if errors:
@@ -223,11 +241,36 @@ class Fp8Pass(Pass):
         o = self.options
         request = self._request()
         requests = {n: request for n in candidates} if request != InputRequest() else {}
+        if not requests:  # an expert's rows still report the tokens routed to it: count them
+            requests = {n: InputRequest(mean_abs=True) for n in candidates if expert_of(n) is not None}
         kv = o.kv_cache_dtype != "none"
         if not requests and not kv:
             return CalibrationStatistics({}, [])
         windows = context.calibration_windows(o.calibration_samples)
         return context.input_statistics(model, windows, requests, kv_heads=kv, label="fp8: calibrating")
+
+    def _calibrate_starved(self, model: Transformer, context: PassContext, stats: CalibrationStatistics,
+                           candidates: list[str]) -> tuple[CalibrationStatistics, dict[str, str]]:
+        """(the statistics, {starved expert Linear: the reason its rows give}); under "all_tokens"
+        the starved experts' statistics are those of every token of their layer (a forward of its
+        own; ``stats``, which the context may share, is left as it is)."""
+        o = self.options
+        names = starved_linears(stats.inputs, [n for n in candidates if n in stats.inputs], o.min_expert_tokens)
+        if not names:
+            return stats, {}
+        layer_tokens = context.calibration_windows(o.calibration_samples).numel()
+        reasons = {n: starved_reason(stats.inputs[n].tokens, layer_tokens, o.min_expert_tokens, o.starved_experts)
+                   for n in names}
+        if o.starved_experts == "all_tokens":
+            request = self._request()
+            if request != InputRequest():
+                windows = context.calibration_windows(o.calibration_samples)
+                with every_token_to(model, experts_of(names)):  # not through the cache: the routing is not the model's
+                    extra = collect_model(model, windows, {n: request for n in names}, label="fp8: starved experts")
+                if short := [n for n in names if extra.inputs[n].tokens != layer_tokens]:
+                    raise RuntimeError(f"starved experts' linears {short} did not see every token of the layer")
+                stats = CalibrationStatistics({**stats.inputs, **extra.inputs}, stats.kv)
+        return stats, reasons
 
     def _input_scale(self, token_amax: torch.Tensor) -> float:
         o = self.options
@@ -246,12 +289,17 @@ class Fp8Pass(Pass):
                             damp=o.gptq_damp, exact=outliers)
         return weight, scale[:, 0]
 
-    def _convert(self, model: Transformer, name: str, stats: InputStatistics | None) -> LayerDecision:
-        """Quantize one Linear; keep it in float if its error on calibration rows is too high."""
+    def _convert(self, model: Transformer, name: str, stats: InputStatistics | None,
+                 routed: int | None = None, starved: str | None = None) -> LayerDecision:
+        """Quantize one Linear; keep it in float if its error on calibration rows is too high.
+        An expert's: ``routed`` tokens reached it; ``starved``, if it was starved, is the reason
+        its row gives (under starved_experts = "float" it stays in float at once)."""
         o = self.options
-        if stats is not None and stats.tokens < MIN_CALIBRATION_TOKENS:  # an expert the router seldom chose
-            return LayerDecision(name, "float", f"its input received {stats.tokens} calibration tokens "
-                                 f"(< {MIN_CALIBRATION_TOKENS}): kept in float, not calibrated", {"tokens": stats.tokens})
+        counts = {} if routed is None else {"expert_tokens": routed}
+        if starved is not None and o.starved_experts == "all_tokens" and stats is not None:
+            counts["calibration_tokens"] = stats.tokens
+        if starved is not None and o.starved_experts == "float":
+            return LayerDecision(name, "float", starved, counts)
         linear = model.get_submodule(name)
         fmt = o.format_for(linear)
         input_scale = self._input_scale(stats.token_amax) if fmt.static else None
@@ -260,9 +308,7 @@ class Fp8Pass(Pass):
         if o.weight_rounding == "gptq":
             weight, scale = self._gptq_weight(linear, stats.hessian, outliers)
         q = Fp8Linear.from_linear(linear, fmt, input_scale, weight, scale, shift, outliers)
-        row = LayerDecision(name, "fp8", "requested")
-        if stats is not None and ".experts." in name:
-            row.metrics["tokens"] = stats.tokens  # those the router sent this expert
+        row = LayerDecision(name, "fp8", starved or "requested", counts)
         if input_scale is not None:
             row.metrics["input_scale"] = input_scale
         if o.max_layer_error is not None:
@@ -273,8 +319,9 @@ class Fp8Pass(Pass):
             err = err if math.isfinite(err) else float("inf")
             row.metrics["rel_error"] = err
             if err > o.max_layer_error:
-                row.format, row.reason = "float", f"relative error {err:.4f} > max_layer_error {o.max_layer_error}"
+                row.format = "float"
+                row.reason = f"{starved + '; ' if starved else ''}relative error {err:.4f} > max_layer_error {o.max_layer_error}"
                 return row
-            row.reason = f"relative error {err:.4f} <= max_layer_error {o.max_layer_error}"
+            row.reason = f"{starved + '; ' if starved else ''}relative error {err:.4f} <= max_layer_error {o.max_layer_error}"
         model.set_submodule(name, q)
         return row

@@ -4,8 +4,8 @@
 this table holds what follows from the architecture alone: which norms a layer has and where,
 the activation, how the feed-forward is routed and what its modules are called. The decoder
 (``transformer.py``, ``layers.py``, ``moe.py``) assembles itself from an ``ArchSpec``, and a pass
-that needs to know the structure (AWQ's smoothing groups, which Linears are routers) can read
-the same entry.
+that needs to know the structure (which Linears are routers) reads the same entry; AWQ's
+smoothing mappings are a table beside the pass, keyed by the same names (``passes/awq_mappings.py``).
 """
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ class ArchSpec:
     # (``block_sparse_moe.gate``, ``block_sparse_moe.experts.N.{w1,w3,w2}``), "deepseek_moe"
     # (``mlp.gate`` grouped sigmoid router, ``mlp.experts.N.*`` plus ``mlp.shared_experts.*``).
     ffn: Literal["dense", "qwen_moe", "mixtral", "deepseek_moe"] = "dense"
+    # The router of an MoE layer, relative to the layer: every quantizing pass keeps it in float
+    # (a rounded router changes which experts a token reaches, not just by how much).
+    router: str | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -50,9 +53,9 @@ ARCHITECTURES = {spec.name: spec for spec in (
     ArchSpec("Qwen3ForCausalLM", "qwen3", qk_norm=True),
     ArchSpec("Gemma3ForCausalLM", "gemma3_text", qk_norm=True, norm_weight_offset=1.0, sandwich_norms=True,
              scale_embeddings=True, activation="gelu_tanh"),
-    ArchSpec("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, ffn="qwen_moe"),
-    ArchSpec("MixtralForCausalLM", "mixtral", ffn="mixtral"),
-    ArchSpec("DeepseekV3ForCausalLM", "deepseek_v3", attention="mla", ffn="deepseek_moe"),
+    ArchSpec("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, ffn="qwen_moe", router="mlp.gate"),
+    ArchSpec("MixtralForCausalLM", "mixtral", ffn="mixtral", router="block_sparse_moe.gate"),
+    ArchSpec("DeepseekV3ForCausalLM", "deepseek_v3", attention="mla", ffn="deepseek_moe", router="mlp.gate"),
 )}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 ARCHITECTURE_OF_MODEL_TYPE = {spec.model_type: spec.name for spec in ARCHITECTURES.values()}

@@ -60,11 +60,13 @@ class DeepseekMoE(nn.Module):
         super().__init__()
         self.gate = GroupedTopkRouter(config)
         self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        # Routed experts that read every token in this forward (calibration of starved experts: every_token_to).
+        self.every_token: frozenset[int] = frozenset()
         self.shared_experts = (MLP(config, config.moe_intermediate_size * config.n_shared_experts)
                                if config.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         flat = x.reshape(-1, D)
-        out = run_experts(self.experts, flat, *self.gate(flat)).reshape(B, T, D)
+        out = run_experts(self.experts, flat, *self.gate(flat), self.every_token).reshape(B, T, D)
         return out if self.shared_experts is None else out + self.shared_experts(x)

@@ -31,7 +31,9 @@ that quantizes changes the state, so the next pass's statistics are of the quant
 they must be.
 
 Modules that read one tensor (q/k/v, gate/up) with equal requests share one set of statistics:
-the hook sees the same input object and adds it once.
+the hook sees the same input object and adds it once. An MoE expert's Linears read only the
+tokens routed to that expert, so their statistics are per expert (``tokens`` counts them), and
+a sampled Gram draws each expert's own sample, at the rate of the chunk's.
 """
 from __future__ import annotations
 
@@ -45,12 +47,6 @@ import torch.nn as nn
 
 from compiler.formats.fp8_kv import KVObserver
 from compiler.progress import track
-
-
-# A module whose input saw fewer calibration tokens than this (a routed expert the router seldom
-# picks) is not calibrated on them: each pass records what it does instead (AWQ: no scaling;
-# FP8: the layer stays float).
-MIN_CALIBRATION_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -184,7 +180,7 @@ class CalibrationStatistics:
 
 def _shift_and_outliers(request: InputRequest, moments: InputStatistics | None):
     """(shift [K] float32 or None, outlier channel indices [r] sorted or None) from the moments."""
-    if moments is None:
+    if moments is None or moments.tokens == 0:  # an expert no calibration token reached: nothing to centre on
         return None, None
     shift = moments.mean.float() if request.centre else None
     outliers = None
@@ -201,7 +197,12 @@ class _Hooks:
     def __init__(self, root: nn.Module, requests: dict[str, InputRequest], total_tokens: int,
                  moments: dict[str, InputStatistics] | None = None):
         self.stats: dict[str, InputStatistics] = {}
-        self.sample: torch.Tensor | None = None  # set per chunk by the driver
+        # Set per chunk by the driver: the chunk's token indices a sampled Gram takes, drawn by
+        # ``sampler`` over ``chunk_tokens``; an input of fewer rows (an expert's: only the tokens
+        # routed to it) draws its own, at the same rate.
+        self.sample: torch.Tensor | None = None
+        self.sampler: TokenSampler | None = None
+        self.chunk_tokens = 0
         self._last: tuple | None = None  # (input tensor, name): held, so its id is never reused
         self._handles = []
         for name, request in requests.items():
@@ -220,7 +221,10 @@ class _Hooks:
                     self.stats[name] = self.stats[first]
                     return
             self._last = (x, name)
-            self.stats[name].add(x, self.sample)
+            sample = self.sample
+            if sample is not None and x[..., 0].numel() != self.chunk_tokens:
+                sample = self.sampler.draw(x[..., 0].numel())
+            self.stats[name].add(x, sample)
         return record
 
     def remove(self) -> None:
@@ -267,9 +271,10 @@ def _collect_model(model, windows, requests, kv_heads, batch_size, label, sample
         layer.self_attn.kv_quant = obs
     device = next(model.parameters()).device
     batches = windows.split(batch_size)
+    hooks.sampler = sampler
     try:
         for batch in track(batches, label, total=len(batches)):
-            hooks.sample = sampler.draw(batch.numel()) if draws else None
+            hooks.sample, hooks.chunk_tokens = (sampler.draw(batch.numel()) if draws else None), batch.numel()
             model(batch.to(device))
     finally:
         hooks.remove()
@@ -286,13 +291,14 @@ def collect_block(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: tor
     (names relative to the block). Returns the block's outputs [S, T, dim] and the statistics."""
     draws = _needs_sample(requests, sampler)
     hooks = _Hooks(block, requests, x.shape[0] * x.shape[1])
+    hooks.sampler = sampler
     out = torch.empty_like(x)
     b = positions.shape[0]
     try:
         for start in range(0, x.shape[0], b):
             chunk = x[start : start + b]
             n = chunk.shape[0]
-            hooks.sample = sampler.draw(n * chunk.shape[1]) if draws else None
+            hooks.sample, hooks.chunk_tokens = (sampler.draw(n * chunk.shape[1]) if draws else None), n * chunk.shape[1]
             out[start : start + n] = block(chunk, cos[:n], sin[:n], positions[:n])
     finally:
         hooks.remove()

@@ -29,7 +29,8 @@ from compiler.quant.int4 import (
     quantize,
 )
 from passes.awq import AWQPass, BlockQuantizer
-from passes.awq_plan import SCALING_GROUPS, AWQOptions, plan_layers, scaling_groups
+from passes.awq_mappings import expand_columns, fold_scales, layer_groups
+from passes.awq_plan import AWQOptions, plan_layers
 from passes.awq_search import candidate_scales, fast_fake_quantize, weight_mean
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,8 +77,8 @@ def _capture_all(model, tokenizer, opts: AWQOptions):
         out = []
         for i, block in enumerate(model.layers):
             sample = (x[:2], cos[:2], sin[:2], positions[:2])
-            x, stats = p._capture(block, scaling_groups(model.config, i), x, cos, sin, positions, TokenSampler(opts.search_tokens, windows.numel(),
-                                                                                 torch.Generator().manual_seed(0)))
+            x, stats = p._capture(block, layer_groups(model.config, i), x, cos, sin, positions,
+                                  TokenSampler(opts.search_tokens, windows.numel(), torch.Generator().manual_seed(0)))
             out.append((f"layers.{i}.", stats, sample))
     return out
 
@@ -95,21 +96,20 @@ def test_scale_folding_leaves_float_model_unchanged(tiny_checkpoint_with_tokeniz
         # 1) the searched scales (module scoring included: it must restore every weight it tries),
         #    folded by the pass's own code
         alphas = []
-        for prefix, stats, sample in _capture_all(model, loaded.tokenizer, opts):
-            worker = BlockQuantizer(model, prefix, plans, opts, None)
+        for i, (prefix, stats, sample) in enumerate(_capture_all(model, loaded.tokenizer, opts)):
+            worker = BlockQuantizer(model, prefix, plans, opts, None, layer_groups(model.config, i))
             worker.inspected = worker._inspect_modules(sample)
             assert set(worker.inspected) == {"self_attn", "mlp"}
             rows, _ = worker.search_and_fold(stats)
             alphas += [r.metrics["alpha"] for r in rows.values()]
         # 2) large random scales on every group (incl. GQA v -> o), so folding is surely exercised
         gen = torch.Generator().manual_seed(5)
-        for i in range(model.config.n_layers):
-            worker = BlockQuantizer(model, f"layers.{i}.", plans, opts, None)
-            for group in SCALING_GROUPS[model.config.architecture]:
-                expand = worker._expand(group)
-                c = worker.block.get_submodule(group.prev).weight.shape[0]
+        for i, block in enumerate(model.layers):
+            for group in layer_groups(model.config, i):
+                expand = expand_columns(block, group, model.config)
+                c = block.get_submodule(group.prev).weight.shape[0]
                 s = torch.rand(c, generator=gen) * 4 + 0.25
-                worker._fold(group, s, s if expand is None else s[expand])
+                fold_scales(block, group, s, s if expand is None else s[expand])
         after = model(ids)
     rel = float((after - before).norm() / before.norm())
     print(f"folding: relative logit change {rel:.2e}; searched alphas {sorted(set(alphas))}")

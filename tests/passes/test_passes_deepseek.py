@@ -2,7 +2,8 @@
 experts): the scaling folds are exact (the float router takes the scales too), the group-size
 plan covers MLA's ranks and the expert widths, both passes compile a tiny checkpoint that
 reloads to the same model, which the engine serves, and an expert the router never picks gets a
-recorded decision, never silent calibration on nothing."""
+recorded decision (the starved-expert policy of passes/moe_calibration.py), never silent
+calibration on nothing."""
 from __future__ import annotations
 
 import pytest
@@ -22,7 +23,8 @@ from compiler.pipeline import PassContext, Pipeline, PipelineConfig
 from compiler.pipeline.calibration import TokenSampler
 from compiler.pipeline.compile import compile_loaded
 from passes.awq import AWQPass, BlockQuantizer
-from passes.awq_plan import AWQOptions, plan_layers, scaling_groups
+from passes.awq_mappings import expand_columns, fold_scales, layer_groups
+from passes.awq_plan import AWQOptions, plan_layers
 from serving.engine import Engine
 
 CALIB = {"corpus": "pydoc", "samples": 4, "seq_len": 64, "seed": 0}
@@ -66,8 +68,9 @@ def test_awq_folds_leave_the_float_model_unchanged(case, tmp_path, byte_tokenize
     for i, block in enumerate(model.layers):
         sample = (x[:2], cos[:2], sin[:2], positions[:2])
         sampler = TokenSampler(opts.search_tokens, windows.numel(), torch.Generator().manual_seed(0))
-        x, stats = AWQPass._capture(block, scaling_groups(model.config, i), x, cos, sin, positions, sampler)
-        worker = BlockQuantizer(model, f"layers.{i}.", plans, opts, None)
+        groups = layer_groups(model.config, i)
+        x, stats = AWQPass._capture(block, groups, x, cos, sin, positions, sampler)
+        worker = BlockQuantizer(model, f"layers.{i}.", plans, opts, None, groups)
         worker.inspected = worker._inspect_modules(sample)
         rows, _ = worker.search_and_fold(stats)
         assert {r.module.removeprefix(f"layers.{i}.") for r in rows.values()} == \
@@ -75,7 +78,8 @@ def test_awq_folds_leave_the_float_model_unchanged(case, tmp_path, byte_tokenize
         for group in worker.groups:
             if group.prev is not None:
                 s = torch.rand(block.get_submodule(group.prev).weight.shape[0], generator=gen) * 4 + 0.25
-                worker._fold(group, s, s)
+                expand = expand_columns(block, group, model.config)
+                fold_scales(block, group, s, s if expand is None else s[expand])
     rel = float((model(ids) - before).norm() / before.norm())
     assert rel < 1e-5, f"folding changed the logits by {rel:.2e}"
 
@@ -114,9 +118,12 @@ def test_awq_compiles_deepseek_and_the_engine_serves_it(tmp_path, byte_tokenizer
     assert report["metrics"]["mean_rel_error_awq"] < 0.8 * report["metrics"]["mean_rel_error_rtn"]
     rows = {r["module"]: r for r in report["layers"]}
     assert max(r["metrics"]["rel_error_awq"] for r in rows.values() if r["format"] == "int4") < 0.15
+    # The never-routed expert is starved: by default calibrated on every token of its layer.
     never = rows["layers.1.mlp.experts.7.down_proj"]
-    assert never["metrics"]["tokens"] == 0 and "received 0 calibration tokens" in never["reason"]
-    assert rows["layers.1.mlp.experts.0.down_proj"]["metrics"]["tokens"] > 0
+    assert never["metrics"]["expert_tokens"] == 0 and never["metrics"]["calibration_tokens"] > 0
+    assert "expert routed 0 of" in never["reason"] and "starved_experts = 'all_tokens'" in never["reason"]
+    assert rows["layers.1.mlp.experts.0.down_proj"]["metrics"]["expert_tokens"] > 0
+    assert rows["layers.1.mlp.gate"]["format"] == "float"
     prompt = ids[0, :9].tolist()
     want = model.generate(torch.tensor([prompt]), 8)[0, 9:].tolist()
     engine = Engine.from_loaded(reloaded, "cpu", block_size=4, num_blocks=16)
@@ -127,7 +134,7 @@ def test_awq_compiles_deepseek_and_the_engine_serves_it(tmp_path, byte_tokenizer
 def test_fp8_compiles_deepseek_and_keeps_an_unrouted_expert_float(tmp_path, byte_tokenizer):
     loaded = load("deepseek-v3", tmp_path, byte_tokenizer, never_routed=7)
     ids = torch.randint(3, len(byte_tokenizer), (2, 24), generator=torch.Generator().manual_seed(7))
-    result = compile_loaded(loaded, pipeline("fp8", max_layer_error=10.0), tmp_path / "fp8")
+    result = compile_loaded(loaded, pipeline("fp8", max_layer_error=10.0, starved_experts="float"), tmp_path / "fp8")
     reloaded = load_artifact(result.path)
     model = reloaded.model
     fp8 = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
@@ -136,8 +143,8 @@ def test_fp8_compiles_deepseek_and_keeps_an_unrouted_expert_float(tmp_path, byte
     assert unrouted and not any(".experts.7." in n for n in fp8)
     rows = {r["module"]: r for r in reloaded.manifest["passes"][-1]["layers"]}
     assert rows["layers.1.mlp.experts.7.up_proj"]["format"] == "float"
-    assert "received 0 calibration tokens" in rows["layers.1.mlp.experts.7.up_proj"]["reason"]
-    assert rows["layers.1.mlp.experts.0.up_proj"]["metrics"]["tokens"] > 0
+    assert "expert routed 0 of" in rows["layers.1.mlp.experts.7.up_proj"]["reason"]
+    assert rows["layers.1.mlp.experts.0.up_proj"]["metrics"]["expert_tokens"] > 0
     assert torch.equal(model(ids), result.loaded.model(ids))
     errors = [r["metrics"]["rel_error"] for r in rows.values() if r["format"] == "fp8"]
     assert len(errors) == len(fp8) and max(errors) < 0.1, max(errors)
