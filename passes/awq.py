@@ -39,6 +39,7 @@ from compiler.deploy.targets import get_target
 from compiler.errors import ConfigError
 from compiler.formats.int4 import Int4Linear
 from compiler.pipeline import (
+    BlockStream,
     LayerDecision,
     Pass,
     PassContext,
@@ -51,13 +52,13 @@ from compiler.pipeline.calibration import (
     TokenSampler,
     collect_block,
 )
-from compiler.progress import track
 from passes.awq_plan import (
     NO_CLIP,
     SCALING_GROUPS,
     AWQOptions,
     LayerPlan,
     ScalingGroup,
+    awq_working_memory,
     plan_layers,
     smaller_groups,
 )
@@ -90,31 +91,14 @@ class AWQPass(Pass):
         plans, _ = plan_layers(config, self.options)
         return {name: p.format(self.options.zero_point) for name, p in plans.items()}
 
-    @torch.no_grad()
-    def run(self, model: torch.nn.Module, context: PassContext) -> PassReport:
-        opts = self.options
-        plans, excluded = plan_layers(model.config, opts)
-        windows = context.calibration_windows()  # [S, T]
-        report = PassReport(self.name)
-        report.layers += [LayerDecision(n, "float", f"modules_to_not_convert {p!r}") for n, p in excluded.items()]
-        sampler = TokenSampler(opts.search_tokens, windows.numel(), torch.Generator().manual_seed(context.calibration.seed))
-        x = model.embed_tokens(windows)  # [S, T, dim]
-        positions = torch.arange(windows.shape[1]).expand(min(opts.batch_size, len(windows)), -1)
-        cos, sin = model.rope(positions, x.dtype)
-        prefix_of = {id(b): f"layers.{i}." for i, b in enumerate(model.layers)}
-        k = min(opts.module_sequences, positions.shape[0])
-        for block in track(model.layers, "awq: blocks", total=len(model.layers)):
-            sample = (x[:k], cos[:k], sin[:k], positions[:k])  # the block's float inputs, for module scoring
-            x, stats = self._capture(block, x, cos, sin, positions, sampler)
-            worker = BlockQuantizer(model, prefix_of[id(block)], plans, opts, context.target)
-            report.layers += worker.run(stats, sample)
-        report.metrics = _metrics(report.layers, windows, opts)
-        scoring = (f"the best {opts.module_candidates} re-scored on self_attn / mlp outputs over {k} sequences"
-                   if opts.module_candidates > 1 and k else "scored on the linears' own output error")
-        report.notes.append(f"α grid of {opts.alpha_grid} (duo scaling {opts.duo_scaling}), "
-                            f"{scoring}; clip search skips q_proj/k_proj (as llm-awq); "
-                            f"{'GPTQ' if opts.weight_rounding == 'gptq' else 'round-to-nearest'} rounding")
-        return report
+    def scope(self, config):
+        return "block"
+
+    def working_memory(self, config, calibration, dtype_bytes, streamed):
+        return awq_working_memory(config, calibration, self.options, dtype_bytes)
+
+    def stream(self, model: torch.nn.Module, context: PassContext) -> "AwqStream":
+        return AwqStream(self, model, context)
 
     @staticmethod
     def _capture(block, x, cos, sin, positions, sampler: TokenSampler):
@@ -124,6 +108,43 @@ class AWQPass(Pass):
         requests = {g.linears[0]: InputRequest(mean_abs=True, gram="sampled") for g in groups}
         out, stats = collect_block(block, x, cos, sin, positions, requests, sampler)
         return out, stats.inputs
+
+
+class AwqStream(BlockStream):
+    """The pass over one block at a time: the calibration inputs flow from block to block."""
+
+    @torch.no_grad()
+    def __init__(self, awq: AWQPass, model: torch.nn.Module, context: PassContext):
+        self.awq, self.model, self.opts, self.target = awq, model, awq.options, context.target
+        self.plans, excluded = plan_layers(model.config, self.opts)
+        self.windows = context.calibration_windows()  # [S, T]
+        self.report = PassReport(awq.name)
+        self.report.layers += [LayerDecision(n, "float", f"modules_to_not_convert {p!r}") for n, p in excluded.items()]
+        generator = torch.Generator().manual_seed(context.calibration.seed)
+        self.sampler = TokenSampler(self.opts.search_tokens, self.windows.numel(), generator)
+        self.x = model.embed_tokens(self.windows)  # [S, T, dim]
+        self.positions = torch.arange(self.windows.shape[1]).expand(min(self.opts.batch_size, len(self.windows)), -1)
+        self.cos, self.sin = model.rope(self.positions, self.x.dtype)
+        self.k = min(self.opts.module_sequences, self.positions.shape[0])
+
+    @torch.no_grad()
+    def block(self, index: int) -> None:
+        k, block = self.k, self.model.layers[index]
+        sample = (self.x[:k], self.cos[:k], self.sin[:k], self.positions[:k])  # the block's float inputs, for module scoring
+        self.x, stats = AWQPass._capture(block, self.x, self.cos, self.sin, self.positions, self.sampler)
+        worker = BlockQuantizer(self.model, f"layers.{index}.", self.plans, self.opts, self.target)
+        self.report.layers += worker.run(stats, sample)
+
+    def finish(self) -> PassReport:
+        opts, report = self.opts, self.report
+        self.x = None  # the last block's outputs: nothing reads them
+        report.metrics = _metrics(report.layers, self.windows, opts)
+        scoring = (f"the best {opts.module_candidates} re-scored on self_attn / mlp outputs over {self.k} sequences"
+                   if opts.module_candidates > 1 and self.k else "scored on the linears' own output error")
+        report.notes.append(f"α grid of {opts.alpha_grid} (duo scaling {opts.duo_scaling}), "
+                            f"{scoring}; clip search skips q_proj/k_proj (as llm-awq); "
+                            f"{'GPTQ' if opts.weight_rounding == 'gptq' else 'round-to-nearest'} rounding")
+        return report
 
 
 class BlockQuantizer:
