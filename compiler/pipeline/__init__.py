@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 import tomllib
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -301,16 +302,26 @@ class Pipeline:
         reports = []
         for i, p in enumerate(self.passes):
             start = time.perf_counter()
-            try:
+            with self.failures(i, context):
                 report = p.run(model, context)
-            except QCompileError:
-                raise
-            except Exception as e:
-                before = ", ".join(context.history) or "nothing"
-                raise PassError(f"pass {p.name} (passes[{i}], after {before}) failed: {type(e).__name__}: {e}") from e
-            report.options = asdict(p.options)
-            report.wall_time_s = round(time.perf_counter() - start, 3)
-            reports.append(report)
-            context.history.append(p.name)
+            reports.append(self.record(i, report, time.perf_counter() - start, context))
             context.statistics.prune(model)  # statistics of a model this pass changed are stale
         return reports
+
+    @contextmanager
+    def failures(self, i: int, context: PassContext):
+        """Turn an unexpected exception inside pass ``i`` into a ``PassError`` naming it and what ran before it."""
+        try:
+            yield
+        except QCompileError:
+            raise
+        except Exception as e:
+            before = ", ".join(context.history) or "nothing"
+            raise PassError(f"pass {self.passes[i].name} (passes[{i}], after {before}) failed: {type(e).__name__}: {e}") from e
+
+    def record(self, i: int, report: PassReport, seconds: float, context: PassContext) -> PassReport:
+        """Complete pass ``i``'s report (its options, wall time) and count the pass as run."""
+        report.options = asdict(self.passes[i].options)
+        report.wall_time_s = round(seconds, 3)
+        context.history.append(self.passes[i].name)
+        return report
