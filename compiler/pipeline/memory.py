@@ -132,8 +132,10 @@ def plan_memory(passes: list, config: ModelConfig, calibration, dtype: torch.dty
     else:
         weights = {"runtime": RUNTIME_BYTES, "model weights": total}
     plan = MemoryPlan(streamed, weights)
+    names = [p.name for p in passes]
     for i, p in enumerate(passes):
-        plan.passes[f"passes[{i}] ({p.name})"] = p.working_memory(config, calibration, b, streamed)
+        label = p.name if names.count(p.name) == 1 else f"passes[{i}] ({p.name})"
+        plan.passes[label] = p.working_memory(config, calibration, b, streamed)
     return plan
 
 
