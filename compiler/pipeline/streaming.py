@@ -122,18 +122,7 @@ def _run_and_spool(pipeline: Pipeline, shell: Transformer, reader: StreamedCheck
             with pipeline.failures(streamed, context):
                 stream.block(index)
             seconds += time.perf_counter() - start
-        block = shell.layers[index]
-        prefix = f"layers.{index}."
-        full = block.state_dict()
-        state, block_aliases = dedupe_shared(full)
-        for name, t in state.items():
-            writer.add(prefix + name, t)
-            spooled.names.append(prefix + name)
-        spooled.keys += [prefix + k for k in full]
-        spooled.aliases.update({prefix + a: prefix + b for a, b in block_aliases.items()})
-        spooled.modules.update({prefix + n: m.format_meta() for n, m in quantized_modules(block).items()})
-        with torch.device("meta"):
-            shell.layers[index] = DecoderLayer(config, index)  # the block's memory goes with it
+        _spool_block(shell, index, writer, spooled)
     if stream is not None:
         start = time.perf_counter()
         with pipeline.failures(streamed, context):
@@ -142,6 +131,23 @@ def _run_and_spool(pipeline: Pipeline, shell: Transformer, reader: StreamedCheck
         for i in range(streamed + 1, len(pipeline.passes)):
             reports.append(_run_whole(pipeline, i, shell, context))
     return spooled
+
+
+def _spool_block(shell: Transformer, index: int, writer: ShardWriter, spooled: _Spooled) -> None:
+    """Spool block ``index``'s tensors and put an empty block in its place; the block's memory
+    goes with the last reference, which this function's locals are (so the next block is read
+    with none of this one left)."""
+    block, prefix = shell.layers[index], f"layers.{index}."
+    full = block.state_dict()
+    state, aliases = dedupe_shared(full)
+    for name, t in state.items():
+        writer.add(prefix + name, t)
+        spooled.names.append(prefix + name)
+    spooled.keys += [prefix + k for k in full]
+    spooled.aliases.update({prefix + a: prefix + b for a, b in aliases.items()})
+    spooled.modules.update({prefix + n: m.format_meta() for n, m in quantized_modules(block).items()})
+    with torch.device("meta"):
+        shell.layers[index] = DecoderLayer(shell.config, index)
 
 
 def _run_whole(pipeline: Pipeline, i: int, shell: Transformer, context: PassContext) -> PassReport:
