@@ -17,7 +17,7 @@ from compiler.io.checkpoint import hf_config
 from compiler.io.stream import StreamedCheckpoint
 from compiler.pipeline import Pipeline, PipelineConfig
 from compiler.pipeline.compile import compile_model
-from compiler.pipeline.memory import RUNTIME_BYTES, MemoryPlanError, parse_size, plan_memory
+from compiler.pipeline.memory import RUNTIME_BYTES, MemoryPlanError, format_size, parse_size, plan_memory
 
 TINY = dict(num_hidden_layers=3)  # conftest's tiny Llama otherwise: hidden 64, GQA 4 heads on 2
 CALIB = {"samples": 6, "seq_len": 32}  # and a small corpus (``small_corpus``): tokenizing pydoc dominates otherwise
@@ -119,7 +119,7 @@ def test_a_compile_that_will_not_fit_stops_before_any_work(tiny_checkpoint_with_
             compile_model(src, big, tmp_path / "out", streaming=streaming, memory_limit=RUNTIME_BYTES + 64 * 2**20)
         message = str(e.value)
         assert "\n" not in message
-        assert "needs about" in message and "memory limit of 0.65 GiB" in message
+        assert "needs about" in message and f"memory limit of {format_size(RUNTIME_BYTES + 64 * 2**20)}" in message
         assert "calibration activations" in message and "samples (256) or seq_len (512)" in message
     assert not (tmp_path / "out").exists()
 
