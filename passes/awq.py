@@ -1,6 +1,8 @@
 """AWQ: activation-aware INT4 weight quantization (Lin et al., MLSys 2024).
 
-Block by block over the decoder (memory: the calibration activations of one block):
+Block by block over the decoder (memory: the calibration activations of one block), in memory or,
+in a streamed compile (``compiler/pipeline/streaming.py``), with each block read from disk as it
+comes (``AwqStream`` serves both):
 
 1. capture: run the float block on every calibration sequence; its outputs become the next
    block's inputs; the calibration collector (``compiler.pipeline.calibration.collect_block``)

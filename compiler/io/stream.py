@@ -12,11 +12,12 @@ so a streamed compile records the same source and computes on the same numbers.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 from compiler.errors import CheckpointError
 from compiler.io.checkpoint import hf_config, hf_source, weight_files
@@ -94,7 +95,19 @@ class StreamedCheckpoint:
         return state
 
 
-def release(module: nn.Module) -> None:
-    """Move a materialised module's tensors to the meta device, so its memory is freed even
-    where something still holds the module (a report, a hook)."""
-    module.to_empty(device="meta")
+def release_freed_memory() -> None:
+    """Collect cyclic garbage (a converted block's hooks and closures can hold it) and hand the
+    heap's free pages back to the kernel (glibc ``malloc_trim``), so the process's footprint after
+    each block is what is still alive, not the high-water mark of every block before it."""
+    gc.collect()
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc: the allocator keeps its own policy
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None

@@ -27,7 +27,7 @@ from compiler.formats.qlinear import quantized_modules
 from compiler.io.artifact import ArtifactRecord, dedupe_shared, finish_artifact
 from compiler.io.atomic import atomic_directory_write
 from compiler.io.shards import ShardWriter
-from compiler.io.stream import StreamedCheckpoint
+from compiler.io.stream import StreamedCheckpoint, release_freed_memory
 from compiler.model.config import ModelConfig
 from compiler.model.transformer import DecoderLayer, Transformer
 from compiler.pipeline import PassContext, PassReport, Pipeline, PipelineConfig
@@ -123,6 +123,7 @@ def _run_and_spool(pipeline: Pipeline, shell: Transformer, reader: StreamedCheck
                 stream.block(index)
             seconds += time.perf_counter() - start
         _spool_block(shell, index, writer, spooled)
+        release_freed_memory()
     if stream is not None:
         start = time.perf_counter()
         with pipeline.failures(streamed, context):
