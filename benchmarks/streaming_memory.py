@@ -210,7 +210,7 @@ def main() -> None:
     args.corpus = str(args.work / "corpus.txt")
     Path(args.corpus).write_text(load_corpus_text("pydoc")[:60_000])
     tokenizer = make_tokenizer(args.work / "tokenizer")
-    depths = [int(d) for d in args.depths.split(",")]
+    depths = [int(d) for d in args.depths.split(",") if d]  # --depths "": only the bigger-than-footprint runs
     rows = []
     for n in depths:
         model = args.work / f"llama-{n}"
