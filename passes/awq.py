@@ -1,6 +1,8 @@
 """AWQ: activation-aware INT4 weight quantization (Lin et al., MLSys 2024).
 
-Block by block over the decoder (memory: the calibration activations of one block):
+Block by block over the decoder (memory: the calibration activations of one block), in memory or,
+in a streamed compile (``compiler/pipeline/streaming.py``), with each block read from disk as it
+comes (``AwqStream`` serves both):
 
 1. capture: run the float block on every calibration sequence; its outputs become the next
    block's inputs; the calibration collector (``compiler.pipeline.calibration.collect_block``)
@@ -46,6 +48,7 @@ from compiler.errors import ConfigError
 from compiler.formats.int4 import Int4Linear
 from compiler.model.moe import every_token_to, router_names
 from compiler.pipeline import (
+    BlockStream,
     LayerDecision,
     Pass,
     PassContext,
@@ -58,7 +61,6 @@ from compiler.pipeline.calibration import (
     TokenSampler,
     collect_block,
 )
-from compiler.progress import track
 from passes.awq_mappings import (
     NO_CLIP,
     SMOOTHING,
@@ -67,7 +69,7 @@ from passes.awq_mappings import (
     fold_scales,
     layer_groups,
 )
-from passes.awq_plan import AWQOptions, LayerPlan, plan_layers, smaller_groups
+from passes.awq_plan import AWQOptions, LayerPlan, awq_working_memory, plan_layers, smaller_groups
 from passes.awq_search import (
     quant_error,
     rank_scales,
@@ -98,44 +100,14 @@ class AWQPass(Pass):
         plans, _ = plan_layers(config, self.options)
         return {name: p.format(self.options.zero_point) for name, p in plans.items()}
 
-    @torch.no_grad()
-    def run(self, model: torch.nn.Module, context: PassContext) -> PassReport:
-        opts = self.options
-        plans, excluded = plan_layers(model.config, opts)
-        windows = context.calibration_windows()  # [S, T]
-        report = PassReport(self.name)
-        report.layers += [LayerDecision(n, "float", f"modules_to_not_convert {p!r}") for n, p in excluded.items()]
-        report.layers += [LayerDecision(n, "float", "router: stays in float (its columns take the norm's scale)")
-                          for n in router_names(model.config)]
-        sampler = TokenSampler(opts.search_tokens, windows.numel(), torch.Generator().manual_seed(context.calibration.seed))
-        x = model.embed_tokens(windows)  # [S, T, dim]
-        positions = torch.arange(windows.shape[1]).expand(min(opts.batch_size, len(windows)), -1)
-        cos, sin = model.rope(positions, x.dtype)
-        k = min(opts.module_sequences, positions.shape[0])
-        starved = 0
-        for i, block in enumerate(track(model.layers, "awq: blocks", total=len(model.layers))):
-            groups = layer_groups(model.config, i)
-            sample = (x[:k], cos[:k], sin[:k], positions[:k])  # the block's float inputs, for module scoring
-            block_inputs = x
-            x, stats = self._capture(block, groups, x, cos, sin, positions, sampler)
-            worker = BlockQuantizer(model, f"layers.{i}.", plans, opts, context.target, groups)
-            worker.count_experts(stats, windows.numel())
-            if worker.starved and opts.starved_experts == "all_tokens":
-                stats |= self._capture_on_every_token(block, worker.starved, block_inputs, cos, sin, positions, sampler)
-            starved += sum(len(experts) for experts in experts_of(worker.starved).values())
-            report.layers += worker.run(stats, sample)
-        report.metrics = _metrics(report.layers, windows, opts)
-        if model.config.spec.is_moe:
-            report.metrics["experts_starved"] = starved
-        scoring = (f"the best {opts.module_candidates} re-scored on self_attn / mlp outputs over {k} sequences"
-                   if opts.module_candidates > 1 and k else "scored on the linears' own output error")
-        report.notes.append(f"α grid of {opts.alpha_grid} (duo scaling {opts.duo_scaling}), "
-                            f"{scoring}; clip search skips q_proj/k_proj (as llm-awq); "
-                            f"{'GPTQ' if opts.weight_rounding == 'gptq' else 'round-to-nearest'} rounding")
-        if unsmoothed := sorted({n for g in layer_groups(model.config, 0) if g.prev is None for n in g.linears}):
-            report.notes.append(f"{', '.join(unsmoothed)}: clipped and quantized without smoothing "
-                                "(no exact fold for its input; as llm-compressor)")
-        return report
+    def scope(self, config):
+        return "block"
+
+    def working_memory(self, config, calibration, dtype_bytes, streamed):
+        return awq_working_memory(config, calibration, self.options, dtype_bytes)
+
+    def stream(self, model: torch.nn.Module, context: PassContext) -> "AwqStream":
+        return AwqStream(self, model, context)
 
     @staticmethod
     def _capture(block, groups: tuple[ScalingGroup, ...], x, cos, sin, positions, sampler: TokenSampler):
@@ -155,6 +127,57 @@ class AWQPass(Pass):
         if short := [n for n in names if stats.inputs[n].tokens != x.shape[0] * x.shape[1]]:
             raise RuntimeError(f"starved experts' linears {short} did not see every token of the layer")
         return stats.inputs
+
+
+class AwqStream(BlockStream):
+    """The pass over one block at a time: the calibration inputs flow from block to block."""
+
+    @torch.no_grad()
+    def __init__(self, awq: AWQPass, model: torch.nn.Module, context: PassContext):
+        self.model, self.opts, self.target = model, awq.options, context.target
+        self.plans, excluded = plan_layers(model.config, self.opts)
+        self.windows = context.calibration_windows()  # [S, T]
+        self.report = PassReport(awq.name)
+        self.report.layers += [LayerDecision(n, "float", f"modules_to_not_convert {p!r}") for n, p in excluded.items()]
+        self.report.layers += [LayerDecision(n, "float", "router: stays in float (its columns take the norm's scale)")
+                               for n in router_names(model.config)]
+        generator = torch.Generator().manual_seed(context.calibration.seed)
+        self.sampler = TokenSampler(self.opts.search_tokens, self.windows.numel(), generator)
+        self.x = model.embed_tokens(self.windows)  # [S, T, dim]
+        self.positions = torch.arange(self.windows.shape[1]).expand(min(self.opts.batch_size, len(self.windows)), -1)
+        self.cos, self.sin = model.rope(self.positions, self.x.dtype)
+        self.k = min(self.opts.module_sequences, self.positions.shape[0])
+        self.starved = 0
+
+    @torch.no_grad()
+    def block(self, index: int) -> None:
+        k, block, rope = self.k, self.model.layers[index], (self.cos, self.sin, self.positions)
+        groups = layer_groups(self.model.config, index)
+        sample = (self.x[:k], self.cos[:k], self.sin[:k], self.positions[:k])  # the block's float inputs, for module scoring
+        block_inputs = self.x
+        self.x, stats = AWQPass._capture(block, groups, self.x, *rope, self.sampler)
+        worker = BlockQuantizer(self.model, f"layers.{index}.", self.plans, self.opts, self.target, groups)
+        worker.count_experts(stats, self.windows.numel())
+        if worker.starved and self.opts.starved_experts == "all_tokens":
+            stats |= AWQPass._capture_on_every_token(block, worker.starved, block_inputs, *rope, self.sampler)
+        self.starved += sum(len(experts) for experts in experts_of(worker.starved).values())
+        self.report.layers += worker.run(stats, sample)
+
+    def finish(self) -> PassReport:
+        opts, report = self.opts, self.report
+        self.x = None  # the last block's outputs: nothing reads them
+        report.metrics = _metrics(report.layers, self.windows, opts)
+        if self.model.config.spec.is_moe:
+            report.metrics["experts_starved"] = self.starved
+        scoring = (f"the best {opts.module_candidates} re-scored on self_attn / mlp outputs over {self.k} sequences"
+                   if opts.module_candidates > 1 and self.k else "scored on the linears' own output error")
+        report.notes.append(f"α grid of {opts.alpha_grid} (duo scaling {opts.duo_scaling}), "
+                            f"{scoring}; clip search skips q_proj/k_proj (as llm-awq); "
+                            f"{'GPTQ' if opts.weight_rounding == 'gptq' else 'round-to-nearest'} rounding")
+        if unsmoothed := sorted({n for g in layer_groups(self.model.config, 0) if g.prev is None for n in g.linears}):
+            report.notes.append(f"{', '.join(unsmoothed)}: clipped and quantized without smoothing "
+                                "(no exact fold for its input; as llm-compressor)")
+        return report
 
 
 class BlockQuantizer:

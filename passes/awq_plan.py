@@ -14,6 +14,7 @@ from compiler.errors import ConfigError
 from compiler.formats.qlinear import linear_modules
 from compiler.model.config import ModelConfig
 from compiler.model.moe import router_names
+from compiler.pipeline.memory import activation_terms, linear_inputs
 from compiler.pipeline.selection import excluded_by, meta_model
 from compiler.quant.int4 import GROUP_SIZES, padded_width
 
@@ -165,3 +166,16 @@ def plan_layers(config: ModelConfig, options: AWQOptions) -> tuple[dict[str, Lay
                else 'use group_size_policy = "fallback" or "pad", or a group size that divides them')
         raise ConfigError(f"awq: group_size {g} does not divide in_features of {listed}; {fix}")
     return plans, excluded
+
+
+def awq_working_memory(config: ModelConfig, calibration, options: AWQOptions, dtype_bytes: int) -> dict[str, int]:
+    """Bytes AWQ holds beyond the weights, a block at a time whether streamed or not
+    (``compiler/pipeline/memory.py``): the calibration activations, one chunk's block forward,
+    each scaling group's Gram matrix (and its rescaled copy), GPTQ's factorisations of the
+    widest, and the float32 copies the scale and clip searches make of the widest group."""
+    widths = linear_inputs(config)
+    grams = 2 * sum(k * k for k in widths) * 4 + 4 * max(widths) ** 2 * 4
+    qkv_rows = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+    widest_group = max(qkv_rows * config.dim, 2 * config.intermediate_size * config.dim)
+    terms = activation_terms(config, calibration.samples, calibration.seq_len, options.batch_size, dtype_bytes)
+    return {**terms, "Gram / Hessian matrices": grams, "scale and clip search": 4 * widest_group * 4}

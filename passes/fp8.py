@@ -45,12 +45,13 @@ import torch.nn as nn
 
 from compiler.errors import ConfigError
 from compiler.formats.fp8 import Fp8Format, Fp8Linear
-from compiler.formats.fp8_kv import install_kv_quant, kv_cache_entry
+from compiler.formats.fp8_kv import KVObserver, install_kv_quant, kv_cache_entry
 from compiler.formats.qlinear import linear_modules
 from compiler.model.config import ModelConfig
 from compiler.model.moe import every_token_to, router_names
 from compiler.model.transformer import Transformer
 from compiler.pipeline import (
+    BlockStream,
     LayerDecision,
     Pass,
     PassContext,
@@ -61,8 +62,10 @@ from compiler.pipeline.calibration import (
     CalibrationStatistics,
     InputRequest,
     InputStatistics,
+    collect_block,
     collect_model,
 )
+from compiler.pipeline.memory import activation_terms, linear_inputs
 from compiler.pipeline.selection import meta_model, select_linears
 from compiler.progress import track
 from compiler.quant.fp8 import (
@@ -75,6 +78,10 @@ from compiler.quant.fp8 import (
 )
 from passes.gptq import gptq_round
 from passes.moe_calibration import expert_of, experts_of, starved_linears, starved_reason
+
+# Calibration sequences per forward: the whole-model forward and the streamed block forwards
+# must chunk alike for their statistics to agree to the bit.
+CALIBRATION_BATCH = 4
 
 
 @dataclass
@@ -190,24 +197,56 @@ class Fp8Pass(Pass):
                 raise ConfigError(f"activation_group_size {group} does not divide {name}'s {k} input features; "
                                   f"use one that divides every layer's (for {k}: {', '.join(map(str, divisors))})")
 
-    def run(self, model: Transformer, context: PassContext) -> PassReport:
+    def scope(self, config: ModelConfig) -> str:
+        # A block at a time when every Linear it converts lies in a decoder block (lm_head's
+        # input is the whole model's output), and no expert's calibration depends on its routing
+        # (a mixture of experts' starved-expert policy runs a forward of its own: whole model).
+        inside = all(n.startswith("layers.") for n in self._select(meta_model(config))[0])
+        return "block" if inside and not config.spec.is_moe else "model"
+
+    def working_memory(self, config: ModelConfig, calibration, dtype_bytes: int, streamed: bool) -> dict[str, int]:
         o = self.options
-        report = PassReport(self.name)
+        samples = o.calibration_samples or calibration.samples
+        tokens, widths = samples * calibration.seq_len, linear_inputs(config)
+        per_block = sum((k * k * 4 if o.weight_rounding == "gptq" else 0)
+                        + (o.error_tokens * k * 4 if o.max_layer_error is not None else 0)
+                        + (tokens * 4 if o.activation_scheme == "static" else 0) + 4 * k * 8 for k in widths)
+        gptq = {"GPTQ factorisations": 4 * max(widths) ** 2 * 4} if o.weight_rounding == "gptq" else {}
+        if streamed:
+            return {**activation_terms(config, samples, calibration.seq_len, CALIBRATION_BATCH, dtype_bytes),
+                    "calibration statistics (one block)": per_block, **gptq}
+        chunk = min(CALIBRATION_BATCH, samples) * calibration.seq_len
+        forward = chunk * (3 * config.intermediate_size + 6 * config.dim + 2 * config.vocab_size) * 4
+        return {"calibration statistics (every block)": config.n_layers * per_block,
+                "model forward (one batch)": forward + chunk * config.n_heads * calibration.seq_len * 4, **gptq}
+
+    def stream(self, model: Transformer, context: PassContext) -> "Fp8Stream":
+        return Fp8Stream(self, model, context)
+
+    def run(self, model: Transformer, context: PassContext) -> PassReport:
         candidates, excluded = self._select(model)
         stats = self._calibrate(model, context, candidates)
         routed = {n: stats.inputs[n].tokens for n in candidates if expert_of(n) is not None and n in stats.inputs}
         stats, starved = self._calibrate_starved(model, context, stats, candidates)
         rows = [self._convert(model, name, stats.inputs.get(name), routed.get(name), starved.get(name))
                 for name in track(candidates, "fp8: quantizing layers")]
+        return self._report(model, context, excluded, rows, stats.kv, starved)
+
+    def _report(self, model: Transformer, context: PassContext, excluded: dict[str, str], rows: list[LayerDecision],
+                observers: list[KVObserver], starved: dict[str, str] | None = None) -> PassReport:
+        """The report of converted ``rows`` (``starved``: the starved experts' Linears); with an FP8
+        KV cache, its scales from ``observers`` installed and declared in the manifest."""
+        o = self.options
+        report = PassReport(self.name)
         report.layers = [LayerDecision(n, "float", f"modules_to_not_convert {p!r}") for n, p in excluded.items()]
         report.layers += [LayerDecision(n, "float", "router: stays in float") for n in router_names(model.config)
                           if o.convert_linears]
         report.layers += rows
         if model.config.spec.is_moe and o.convert_linears:
-            report.metrics["experts_starved"] = sum(len(e) for e in experts_of(list(starved)).values())
+            report.metrics["experts_starved"] = sum(len(e) for e in experts_of(list(starved or {})).values())
         kept = [r.module for r in rows if r.format == "float"]
         errors = [r.metrics["rel_error"] for r in rows if "rel_error" in r.metrics]
-        report.metrics |= {"converted": len(candidates) - len(kept), "fallback": len(kept),
+        report.metrics |= {"converted": len(rows) - len(kept), "fallback": len(kept),
                            "weight_dtype": o.weight_dtype, "activations": o.activation_scheme}
         if o.outlier_channels:
             report.metrics["outlier_channels"] = o.outlier_channels
@@ -219,7 +258,7 @@ class Fp8Pass(Pass):
         if excluded:
             report.notes.append(f"not converted (modules_to_not_convert): {', '.join(excluded)}")
         if o.kv_cache_dtype != "none":
-            entry = kv_cache_entry(o.kv_cache_dtype, o.kv_cache_granularity, stats.kv)
+            entry = kv_cache_entry(o.kv_cache_dtype, o.kv_cache_granularity, observers)
             install_kv_quant(model, entry)
             context.manifest_extras["kv_cache"] = entry
             report.metrics["kv_cache"] = f"{o.kv_cache_dtype} {o.kv_cache_granularity}"
@@ -247,7 +286,8 @@ class Fp8Pass(Pass):
         if not requests and not kv:
             return CalibrationStatistics({}, [])
         windows = context.calibration_windows(o.calibration_samples)
-        return context.input_statistics(model, windows, requests, kv_heads=kv, label="fp8: calibrating")
+        return context.input_statistics(model, windows, requests, kv_heads=kv, label="fp8: calibrating",
+                                        batch_size=CALIBRATION_BATCH)
 
     def _calibrate_starved(self, model: Transformer, context: PassContext, stats: CalibrationStatistics,
                            candidates: list[str]) -> tuple[CalibrationStatistics, dict[str, str]]:
@@ -325,3 +365,56 @@ class Fp8Pass(Pass):
             row.reason = f"{starved + '; ' if starved else ''}relative error {err:.4f} <= max_layer_error {o.max_layer_error}"
         model.set_submodule(name, q)
         return row
+
+
+class Fp8Stream(BlockStream):
+    """The pass a block at a time (streamed compiles): each block's inputs are collected over the
+    float block (``collect_block``) in the chunks of ``CALIBRATION_BATCH`` sequences the
+    whole-model forward of ``Fp8Pass.run`` uses, so both give the same statistics and the same
+    bytes; the conversion and the report are ``Fp8Pass``'s own."""
+
+    @torch.inference_mode()
+    def __init__(self, fp8: Fp8Pass, model: Transformer, context: PassContext):
+        self.fp8, self.model, self.context = fp8, model, context
+        self.candidates, self.excluded = fp8._select(model)
+        self.request = fp8._request()
+        self.kv = fp8.options.kv_cache_dtype != "none"
+        self.rows: list[LayerDecision] = []
+        self.observers: list[KVObserver] = []
+        self.x = None
+        if (self.candidates and self.request != InputRequest()) or self.kv:
+            windows = context.calibration_windows(fp8.options.calibration_samples)
+            self.x = model.embed_tokens(windows)  # [S, T, dim]
+            self.positions = torch.arange(windows.shape[1]).expand(min(CALIBRATION_BATCH, len(windows)), -1)
+            self.cos, self.sin = model.rope(self.positions, self.x.dtype)
+
+    @torch.inference_mode()
+    def block(self, index: int) -> None:
+        prefix = f"layers.{index}."
+        names = [n for n in self.candidates if n.startswith(prefix)]
+        stats = self._collect(self.model.layers[index], [n[len(prefix):] for n in names])
+        self.rows += [self.fp8._convert(self.model, n, stats.get(n[len(prefix):])) for n in names]
+
+    def _collect(self, block: nn.Module, names: list[str]) -> dict[str, InputStatistics]:
+        """The statistics of ``names`` (relative to ``block``), as ``collect_model`` gathers them:
+        channel moments first where the request centres or drops outlier channels."""
+        if self.x is None:
+            return {}
+        args = (block, self.x, self.cos, self.sin, self.positions)
+        requests = {n: self.request for n in names} if self.request != InputRequest() else {}
+        first = {n: InputRequest(moments=True) for n, r in requests.items() if r.needs_moments}
+        moments = collect_block(*args, first)[1].inputs if first else None
+        saved = block.self_attn.kv_quant
+        observer = KVObserver() if self.kv else None
+        if observer is not None:
+            block.self_attn.kv_quant = observer
+            self.observers.append(observer)
+        try:
+            self.x, stats = collect_block(*args, requests, moments=moments)
+        finally:
+            block.self_attn.kv_quant = saved
+        return stats.inputs
+
+    def finish(self) -> PassReport:
+        self.x = None
+        return self.fp8._report(self.model, self.context, self.excluded, self.rows, self.observers)

@@ -20,6 +20,9 @@ class PagedKVPass(Pass):
     Options = ServingPlan
     provides = frozenset({"serving_plan"})
 
+    def scope(self, config) -> str:
+        return "config"  # reads the config and dtype only: a streamed compile runs it on the model's shell
+
     def run(self, model: torch.nn.Module, context: PassContext) -> PassReport:
         plan: ServingPlan = self.options
         c = model.config

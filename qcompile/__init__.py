@@ -52,20 +52,25 @@ def pipeline_config(pipeline: "str | Path | dict | PipelineConfig") -> "Pipeline
 
 
 def compile(model: "str | Path | LoadedModel", pipeline: "str | Path | dict | PipelineConfig", output: str | Path,
-            force: bool = False, allow_pickle: bool = False) -> "CompileResult":
+            force: bool = False, allow_pickle: bool = False, streaming: str = "auto",
+            memory_limit: "int | str | None" = None) -> "CompileResult":
     """Run ``pipeline`` on ``model`` and write the artifact directory ``output`` (atomically).
 
     ``model`` is anything ``load`` takes, or an already loaded model (changed in place). The
-    pipeline is validated as a whole before any pass runs. Returns the artifact's path, the
-    compiled model in memory and each pass's report."""
+    pipeline and its memory plan are validated as a whole before any pass runs; ``memory_limit``
+    (bytes or "4GiB"; default what the machine allows) bounds it, and ``streaming`` ("auto",
+    "on", "off") says whether the compile may run one decoder block at a time. Returns the
+    artifact's path, the compiled model in memory (None when streamed) and each pass's report."""
     from compiler.io.types import LoadedModel
     from compiler.pipeline.compile import compile_loaded, compile_model
+    from compiler.pipeline.memory import parse_size
 
     load_plugins()
     config = pipeline_config(pipeline)
+    limit = parse_size(memory_limit) if isinstance(memory_limit, str) else memory_limit
     if isinstance(model, LoadedModel):
-        return compile_loaded(model, config, output, force)
-    return compile_model(model, config, output, allow_pickle, force)
+        return compile_loaded(model, config, output, force, limit)
+    return compile_model(model, config, output, allow_pickle, force, streaming, limit)
 
 
 def evaluate(model: "str | Path | LoadedModel", corpus: str = "pydoc", windows: int = 16,

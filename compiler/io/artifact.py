@@ -4,13 +4,15 @@
       manifest.json       schema version, source + SHA-256, model config, pipeline config,
                           each pass's report, every tensor's dtype/shape/SHA-256, every
                           converted module's format, extras (e.g. the serving plan)
-      model.safetensors   float tensors and the packed buffers of quantized modules
+      model.safetensors   float tensors and the packed buffers of quantized modules; above 5 GiB,
+                          shards model-0000i-of-0000n.safetensors + model.safetensors.index.json
+                          (``compiler/io/shards.py``)
       tokenizer files     as the tokenizer saves them
 
 Written atomically (a hidden temp directory beside OUT, fsync, rename), so an interrupted
 compile never leaves a directory that looks complete.
 
-Integrity: the manifest lists every tensor's SHA-256, and the weights file's safetensors metadata
+Integrity: the manifest lists every tensor's SHA-256, and the weights files' safetensors metadata
 holds the SHA-256 of the manifest's content (its canonical JSON: sorted keys, no whitespace), so
 the two vouch for each other. Reading the manifest checks its checksum; loading checks the schema
 version, every tensor's name, dtype, shape and checksum, and the tokenizer the manifest promises.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +35,19 @@ from compiler.errors import ArtifactError, ConfigError
 from compiler.formats.fp8_kv import install_kv_quant
 from compiler.formats.qlinear import format_class, quantized_modules
 from compiler.io.atomic import atomic_directory_write
+from compiler.io.shards import INDEX, WEIGHTS, ShardWriter, tensor_sha256, weight_files
 from compiler.io.types import LoadedModel, SourceInfo, load_tokenizer, sha256_files
 from compiler.model.config import ModelConfig
 from compiler.model.transformer import Transformer, rope_inv_freq
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-WEIGHTS = "model.safetensors"
 MANIFEST_SHA_KEY = "qcompile_manifest_sha256"  # in the weights file's safetensors metadata
 # What save_artifact itself writes; every other top-level key is an entry a pass declared
 # (``PassContext.manifest_extras``: the FP8 KV cache, the serving plan, ...), which each lowering
 # must either lower or refuse (``check_lowered_entries``).
 CORE_KEYS = frozenset({"schema_version", "created", "source", "model_config", "dtype", "pipeline", "passes",
                        "modules", "tensors", "aliases", "tokenizer"})
-
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def manifest_sha256(manifest: dict) -> str:
@@ -58,51 +57,76 @@ def manifest_sha256(manifest: dict) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _dedupe_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """safetensors refuses shared storage (tied embeddings): keep one name, record aliases."""
+def dedupe_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """safetensors refuses shared storage (tied embeddings): keep one name, record aliases.
+    Empty tensors share no data, whatever their (null) pointers say."""
     seen: dict[tuple, str] = {}
     unique, aliases = {}, {}
     for name, t in state.items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
-        if key in seen:
+        if t.numel() and key in seen:
             aliases[name] = seen[key]
         else:
             seen[key] = name
-            unique[name] = t.detach().contiguous()
+            unique[name] = t.detach()
     return unique, aliases
+
+
+@dataclass
+class ArtifactRecord:
+    """What an artifact's manifest says beside its tensors: the model, where it came from, how it was compiled."""
+
+    config: ModelConfig
+    dtype: torch.dtype
+    tokenizer: Any
+    source: SourceInfo
+    pipeline: dict
+    reports: list[dict]
+    extras: dict = field(default_factory=dict)
+
+
+def finish_artifact(tmp: Path, writer: ShardWriter, order: list[str], aliases: dict[str, str],
+                    modules: dict[str, dict], record: ArtifactRecord) -> None:
+    """Write the manifest, the weights files and the tokenizer of an artifact into ``tmp``: the
+    tensors ``writer`` holds, laid out and listed in ``order`` (the model's state-dict order), ``aliases`` (tied names) and
+    ``modules`` (each converted module's format). An in-memory and a streamed compile of one model
+    both end here, so they write the same bytes."""
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": record.source.to_dict(),
+        "model_config": record.config.to_dict(),
+        "dtype": str(record.dtype).removeprefix("torch."),
+        "pipeline": record.pipeline,
+        "passes": record.reports,
+        "modules": modules,
+        "tensors": {n: {"dtype": str(e.dtype).removeprefix("torch."), "shape": e.shape, "sha256": e.sha256}
+                    for n, e in ((n, writer.entries[n]) for n in order)},
+        "aliases": aliases,
+        "tokenizer": record.tokenizer is not None,
+        **record.extras,
+    }
+    text = json.dumps(manifest, indent=1)
+    digest = manifest_sha256(json.loads(text))  # of the content as a reader will parse it
+    writer.write(order, {"format": "pt", MANIFEST_SHA_KEY: digest})
+    if record.tokenizer is not None:
+        record.tokenizer.save_pretrained(str(tmp))
+    (tmp / MANIFEST).write_text(text)
 
 
 def save_artifact(out: str | Path, model: Transformer, tokenizer: Any, source: SourceInfo,
                   pipeline: dict, reports: list[dict], extras: dict | None = None, force: bool = False) -> Path:
-    """Write the artifact directory atomically and return its path."""
-    from safetensors.torch import save_file
-
-    state, aliases = _dedupe_shared(model.state_dict())
+    """Write the artifact directory of an in-memory model atomically and return its path."""
+    state, aliases = dedupe_shared(model.state_dict())
     modules = {name: m.format_meta() for name, m in quantized_modules(model).items()}
-    manifest = {
-        "schema_version": SCHEMA_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "source": source.to_dict(),
-        "model_config": model.config.to_dict(),
-        "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
-        "pipeline": pipeline,
-        "passes": reports,
-        "modules": modules,
-        "tensors": {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": tensor_sha256(t)}
-                    for n, t in state.items()},
-        "aliases": aliases,
-        "tokenizer": tokenizer is not None,
-        **(extras or {}),
-    }
-
-    text = json.dumps(manifest, indent=1)
-    digest = manifest_sha256(json.loads(text))  # of the content as a reader will parse it
+    record = ArtifactRecord(model.config, model.embed_tokens.weight.dtype, tokenizer, source, pipeline, reports,
+                            extras or {})
 
     def write(tmp: Path):
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", MANIFEST_SHA_KEY: digest})
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        (tmp / MANIFEST).write_text(text)
+        writer = ShardWriter(tmp, spool=False)
+        for name, t in state.items():
+            writer.add(name, t)
+        finish_artifact(tmp, writer, list(state), aliases, modules, record)
 
     out = Path(out)
     atomic_directory_write(out, write, force)
@@ -133,18 +157,36 @@ def read_manifest(path: str | Path) -> dict:
     return manifest
 
 
+def _weight_files(path: Path) -> list[Path]:
+    """The artifact's weights files (``model.safetensors`` or its shards), each present."""
+    try:
+        files = weight_files(path)
+    except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
+        raise ArtifactError(f"{path / INDEX}: corrupt ({type(e).__name__}: {e}); recompile the artifact") from None
+    for f in files:
+        if not f.is_file():
+            raise ArtifactError(f"{path}: no {f.name}; the artifact is incomplete, recompile it")
+    return files
+
+
 def _weights_metadata(path: Path) -> dict[str, str]:
-    """The weights file's safetensors metadata (its header only; the tensors are not read)."""
+    """The weights files' safetensors metadata (their headers only; the tensors are not read);
+    every shard must hold the same."""
     from safetensors import SafetensorError, safe_open
 
-    if not (path / WEIGHTS).is_file():
-        raise ArtifactError(f"{path}: no {WEIGHTS}; the artifact is incomplete, recompile it")
-    try:
-        with safe_open(str(path / WEIGHTS), framework="pt") as f:
-            return f.metadata() or {}
-    except (SafetensorError, OSError) as e:
-        raise ArtifactError(f"{path / WEIGHTS}: unreadable ({_first_line(e)}); the artifact is corrupt or truncated, "
-                            "recompile it") from None
+    found = None
+    for file in _weight_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                metadata = f.metadata() or {}
+        except (SafetensorError, OSError) as e:
+            raise ArtifactError(f"{file}: unreadable ({_first_line(e)}); the artifact is corrupt or truncated, "
+                                "recompile it") from None
+        if found is not None and metadata != found:
+            raise ArtifactError(f"{file}: its metadata differs from the first shard's (shards of two compiles); "
+                                "recompile the artifact")
+        found = metadata
+    return found
 
 
 def _first_line(e: Exception) -> str:
@@ -152,32 +194,40 @@ def _first_line(e: Exception) -> str:
 
 
 def _read_tensors(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
-    """Every tensor the manifest lists, each checked for dtype, shape and SHA-256."""
+    """Every tensor the manifest lists, each checked for dtype, shape and SHA-256 (memory-mapped)."""
     from safetensors import SafetensorError, safe_open
 
     expected = manifest["tensors"]
-    state = {}
-    try:
-        with safe_open(str(path / WEIGHTS), framework="pt") as f:
-            keys = set(f.keys())
-            missing, extra = sorted(set(expected) - keys), sorted(keys - set(expected))
-            if missing or extra:
-                what = "; ".join(f"{label} {names[:3]}{f' (+{len(names) - 3} more)' if len(names) > 3 else ''}"
-                                 for label, names in (("missing", missing), ("not in the manifest", extra)) if names)
-                raise ArtifactError(f"{path}: weights do not match the manifest ({what}); the artifact is corrupt, recompile it")
-            for name, meta in expected.items():
-                t = f.get_tensor(name)
-                got = (str(t.dtype).removeprefix("torch."), list(t.shape))
-                if got != (meta["dtype"], list(meta["shape"])):
-                    raise ArtifactError(f"{path}: tensor {name} is {got[0]} {got[1]}, the manifest says {meta['dtype']} "
-                                        f"{meta['shape']}; the artifact is corrupt, recompile it")
-                if tensor_sha256(t) != meta["sha256"]:
-                    raise ArtifactError(f"{path}: tensor {name} fails its checksum; the artifact is corrupt, recompile it")
-                state[name] = t
-    except (SafetensorError, OSError) as e:
-        raise ArtifactError(f"{path / WEIGHTS}: unreadable ({_first_line(e)}); the artifact is corrupt or truncated, "
-                            "recompile it") from None
+    state, extra = {}, []
+    for file in _weight_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name in expected:
+                        state[name] = f.get_tensor(name)
+                    else:
+                        extra.append(name)
+        except (SafetensorError, OSError) as e:
+            raise ArtifactError(f"{file}: unreadable ({_first_line(e)}); the artifact is corrupt or truncated, "
+                                "recompile it") from None
+    missing, extra = sorted(set(expected) - state.keys()), sorted(extra)
+    if missing or extra:
+        what = "; ".join(f"{label} {names[:3]}{f' (+{len(names) - 3} more)' if len(names) > 3 else ''}"
+                         for label, names in (("missing", missing), ("not in the manifest", extra)) if names)
+        raise ArtifactError(f"{path}: weights do not match the manifest ({what}); the artifact is corrupt, recompile it")
+    for name, meta in expected.items():
+        check_tensor(path, name, state[name], meta)
     return state
+
+
+def check_tensor(path: Path, name: str, t: torch.Tensor, meta: dict) -> None:
+    """Raise ``ArtifactError`` unless ``t`` has the dtype, shape and SHA-256 the manifest gives it."""
+    got = (str(t.dtype).removeprefix("torch."), list(t.shape))
+    if got != (meta["dtype"], list(meta["shape"])):
+        raise ArtifactError(f"{path}: tensor {name} is {got[0]} {got[1]}, the manifest says {meta['dtype']} "
+                            f"{meta['shape']}; the artifact is corrupt, recompile it")
+    if tensor_sha256(t) != meta["sha256"]:
+        raise ArtifactError(f"{path}: tensor {name} fails its checksum; the artifact is corrupt, recompile it")
 
 
 def build_from_manifest(manifest: dict, state: dict[str, torch.Tensor], where: str = "artifact") -> Transformer:
@@ -226,7 +276,8 @@ def load_artifact(path: str | Path) -> LoadedModel:
         if tokenizer is None:
             raise ArtifactError(f"{path}: the manifest lists a tokenizer but the artifact holds no tokenizer files; "
                                 "copy the whole artifact directory, or recompile it")
-    source = SourceInfo(str(path.resolve()), "artifact", sha256_files([path / MANIFEST]), (path / WEIGHTS).stat().st_size)
+    source = SourceInfo(str(path.resolve()), "artifact", sha256_files([path / MANIFEST]),
+                        sum(f.stat().st_size for f in _weight_files(path)))
     return LoadedModel(model, tokenizer, source, manifest)
 
 

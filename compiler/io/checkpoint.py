@@ -89,7 +89,7 @@ def _iter_safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[s
             raise CheckpointError(f"{f}: cannot read safetensors ({e}); the file is corrupt or truncated") from None
 
 
-def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], bool]:
+def weight_files(path: Path, allow_pickle: bool = False) -> tuple[list[Path], bool]:
     """The weight files of a HF directory and whether they are pickles."""
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -124,18 +124,28 @@ def _iter_pickles(files: list[Path], dtype: torch.dtype):
             yield name, t.to(dtype)
 
 
-def load_hf_dir(path: Path, dtype: torch.dtype, allow_pickle: bool = False, with_tokenizer: bool = True) -> LoadedModel:
+def hf_config(path: Path) -> ModelConfig:
+    """The model config of HF directory ``path`` (its ``config.json``; no weights are read)."""
     config_file = path / "config.json"
     try:
-        hf_config = json.loads(config_file.read_text())
+        hf = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
-    config = ModelConfig.from_hf(hf_config)
-    files, pickled = _weight_files(path, allow_pickle)
+    return ModelConfig.from_hf(hf)
+
+
+def hf_source(path: Path, files: list[Path]) -> SourceInfo:
+    """The manifest's record of HF directory ``path`` with weights ``files``."""
+    return SourceInfo(str(path.resolve()), "hf", sha256_files([path / "config.json", *files]),
+                      sum(f.stat().st_size for f in files))
+
+
+def load_hf_dir(path: Path, dtype: torch.dtype, allow_pickle: bool = False, with_tokenizer: bool = True) -> LoadedModel:
+    config = hf_config(path)
+    files, pickled = weight_files(path, allow_pickle)
     tensors = _iter_pickles(files, dtype) if pickled else _iter_safetensors(files, dtype)
     model = build_model(config, tensors, str(path))
-    source = SourceInfo(str(path.resolve()), "hf", sha256_files([config_file, *files]), sum(f.stat().st_size for f in files))
-    return LoadedModel(model, load_tokenizer(path) if with_tokenizer else None, source)
+    return LoadedModel(model, load_tokenizer(path) if with_tokenizer else None, hf_source(path, files))
 
 
 def load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool = True) -> LoadedModel:

@@ -139,6 +139,11 @@ def iter_gguf_tensors(reader, config: ModelConfig, arch_key: str, dtype: torch.d
         yield name, torch.from_numpy(np.array(w, copy=True)).to(dtype)  # copy: the reader maps the file read-only
 
 
+def read_gguf_config(path: Path) -> ModelConfig:
+    """The config of a GGUF file (its metadata; the tensors are not dequantized)."""
+    return gguf_config(_reader(path), path)
+
+
 def read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     reader = _reader(path)
     config = gguf_config(reader, path)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from compiler.io.artifact import WEIGHTS, read_manifest
+from compiler.io.artifact import read_manifest
+from compiler.io.shards import weight_files
 from compiler.kernels.int4_cpu import KERNEL, layer_unsupported_reason
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -37,7 +38,7 @@ def artifact_summary(path: str | Path) -> dict:
             why = layer_unsupported_reason(out_f, meta["padded_in_features"], meta["group_size"])
             layer["cpu_kernel"] = f"reference: {why}" if why else KERNEL
         layers.append(layer)
-    weights_bytes = (path / WEIGHTS).stat().st_size
+    weights_bytes = sum(f.stat().st_size for f in weight_files(path))
     return {
         "path": str(path),
         "source": manifest["source"],

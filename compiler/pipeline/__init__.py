@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 import tomllib
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -48,6 +49,7 @@ from compiler.pipeline.calibration import (
     collect_model,
 )
 from compiler.pipeline.selection import check_patterns, meta_model
+from compiler.progress import track
 
 # Properties that hold for a freshly loaded checkpoint.
 INITIAL_PROPERTIES = frozenset({"float_weights"})
@@ -108,10 +110,10 @@ class PassContext:
         return calibration_windows(self.token_split().pool, samples or c.samples, seq_len or c.seq_len, c.seed)
 
     def input_statistics(self, model: torch.nn.Module, windows: torch.Tensor, requests: dict[str, InputRequest],
-                         kv_heads: bool = False, label: str = "calibrating") -> CalibrationStatistics:
+                         kv_heads: bool = False, label: str = "calibrating", batch_size: int = 4) -> CalibrationStatistics:
         """``calibration.collect_model`` over ``windows``, shared with any pass that asks the same
         of the model in the same state (one forward, not one per pass)."""
-        return collect_model(model, windows, requests, kv_heads, label=label, cache=self.statistics)
+        return collect_model(model, windows, requests, kv_heads, batch_size, label=label, cache=self.statistics)
 
 
 @dataclass
@@ -119,8 +121,27 @@ class NoOptions:
     pass
 
 
+class BlockStream:
+    """A pass working one decoder block at a time (``Pass.scope`` "block"). The same calls serve
+    a model in memory (``Pass.run``) and a streamed compile (``compiler/pipeline/streaming.py``),
+    whose model holds its embeddings, final norm and lm_head but only the block being worked on:
+
+    ``Pass.stream(model, context)``  the embeddings are there: draw the calibration inputs
+    ``block(index)``                  ``model.layers[index]`` is there: calibrate and convert it
+                                      in place; its outputs become the next block's inputs
+    ``finish()``                      every block is done (and, streamed, written and gone): the report
+    """
+
+    def block(self, index: int) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> PassReport:
+        raise NotImplementedError
+
+
 class Pass:
-    """Base of every pass. Subclasses set the class attributes and implement ``run``.
+    """Base of every pass. Subclasses set the class attributes and implement ``run``, or, for a
+    pass that works block by block, ``scope`` and ``stream`` (``run`` then drives the stream).
 
     An option named ``modules_to_not_convert`` (a list of patterns) means what
     ``compiler.pipeline.selection`` says; ``Pipeline.validate`` rejects a pattern naming no module.
@@ -142,8 +163,28 @@ class Pass:
     def check(self, config: ModelConfig) -> None:
         """Static checks against the model config; raise ``ConfigError`` with a fix hint."""
 
+    def scope(self, config: ModelConfig) -> Literal["model", "block", "config"]:
+        """What the pass needs of the model at once, for a streamed compile: "model", the whole
+        model in memory (the default; e.g. distillation's end-to-end training); "block", one
+        decoder block at a time through ``stream``; "config", no weights (the config and dtype)."""
+        return "model"
+
+    def working_memory(self, config: ModelConfig, calibration: CalibrationConfig, dtype_bytes: int,
+                       streamed: bool) -> dict[str, int]:
+        """Bytes the pass needs beyond the model's weights, by what they hold (``memory.py`` adds
+        them up before any work); ``streamed``: a block at a time."""
+        return {}
+
+    def stream(self, model: torch.nn.Module, context: PassContext) -> BlockStream:
+        raise NotImplementedError(f"pass {self.name} does not work block by block")
+
     def run(self, model: torch.nn.Module, context: PassContext) -> PassReport:
-        raise NotImplementedError
+        if self.scope(model.config) != "block":
+            raise NotImplementedError
+        stream = self.stream(model, context)
+        for i in track(range(len(model.layers)), f"{self.name}: blocks", total=len(model.layers)):
+            stream.block(i)
+        return stream.finish()
 
 
 PASSES: dict[str, type[Pass]] = {}
@@ -261,16 +302,26 @@ class Pipeline:
         reports = []
         for i, p in enumerate(self.passes):
             start = time.perf_counter()
-            try:
+            with self.failures(i, context):
                 report = p.run(model, context)
-            except QCompileError:
-                raise
-            except Exception as e:
-                before = ", ".join(context.history) or "nothing"
-                raise PassError(f"pass {p.name} (passes[{i}], after {before}) failed: {type(e).__name__}: {e}") from e
-            report.options = asdict(p.options)
-            report.wall_time_s = round(time.perf_counter() - start, 3)
-            reports.append(report)
-            context.history.append(p.name)
+            reports.append(self.record(i, report, time.perf_counter() - start, context))
             context.statistics.prune(model)  # statistics of a model this pass changed are stale
         return reports
+
+    @contextmanager
+    def failures(self, i: int, context: PassContext):
+        """Turn an unexpected exception inside pass ``i`` into a ``PassError`` naming it and what ran before it."""
+        try:
+            yield
+        except QCompileError:
+            raise
+        except Exception as e:
+            before = ", ".join(context.history) or "nothing"
+            raise PassError(f"pass {self.passes[i].name} (passes[{i}], after {before}) failed: {type(e).__name__}: {e}") from e
+
+    def record(self, i: int, report: PassReport, seconds: float, context: PassContext) -> PassReport:
+        """Complete pass ``i``'s report (its options, wall time) and count the pass as run."""
+        report.options = asdict(self.passes[i].options)
+        report.wall_time_s = round(seconds, 3)
+        context.history.append(self.passes[i].name)
+        return report

@@ -23,7 +23,8 @@ Two drivers run the forward:
   rest); that second forward is inherent, not a second hook system.
 - ``collect_block``: one decoder block over its captured inputs, returning the block's outputs,
   the next block's inputs (AWQ, which quantizes a block before capturing the next, so its memory
-  stays one block's activations).
+  stays one block's activations; FP8 in a streamed compile, in the chunks ``collect_model``
+  uses, so that both give the same statistics).
 
 ``PassContext.input_statistics`` caches ``collect_model``'s results by model state
 (``ModelState``): two passes asking for statistics of an unchanged model share one forward. A pass
@@ -284,13 +285,14 @@ def _collect_model(model, windows, requests, kv_heads, batch_size, label, sample
 
 
 def collect_block(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                  requests: dict[str, InputRequest], sampler: TokenSampler | None = None
-                  ) -> tuple[torch.Tensor, CalibrationStatistics]:
+                  requests: dict[str, InputRequest], sampler: TokenSampler | None = None,
+                  moments: dict[str, InputStatistics] | None = None) -> tuple[torch.Tensor, CalibrationStatistics]:
     """Run decoder ``block`` over its inputs x [S, T, dim] in chunks of ``positions.shape[0]``
     sequences (``cos``/``sin``/``positions`` are those of one chunk) and collect ``requests``
-    (names relative to the block). Returns the block's outputs [S, T, dim] and the statistics."""
+    (names relative to the block; ``moments``: the channel moments a centring request needs, from
+    an earlier collection). Returns the block's outputs [S, T, dim] and the statistics."""
     draws = _needs_sample(requests, sampler)
-    hooks = _Hooks(block, requests, x.shape[0] * x.shape[1])
+    hooks = _Hooks(block, requests, x.shape[0] * x.shape[1], moments)
     hooks.sampler = sampler
     out = torch.empty_like(x)
     b = positions.shape[0]

@@ -15,6 +15,7 @@ import torch
 
 from compiler.formats.qlinear import quantized_modules
 from compiler.pipeline import Pass, PassContext, PassReport, register_pass
+from compiler.pipeline.memory import block_bytes
 from passes.distill.api import run_distillation
 from passes.distill.checkpoint import list_checkpoints
 from passes.distill.config import DistillOptions
@@ -66,6 +67,14 @@ class DistillPass(Pass):
         if out and list_checkpoints(Path(out) / "checkpoints") and not self.options.resume:
             raise DistillConfigError(f"{out} already holds training checkpoints; set resume = true (--resume) to "
                                      "continue, or choose another output_dir (-o)")
+
+    def working_memory(self, config, calibration, dtype_bytes, streamed) -> dict[str, int]:
+        # The whole model trains end to end (scope "model"): a float32 teacher, the gradients and
+        # Adam's two moments of every parameter, and the logits of a batch (teacher, student, loss).
+        weights = block_bytes(config, 4)[0]
+        tokens = self.options.batch_size * self.options.seq_len
+        return {"teacher (float32)": weights, "gradients and optimizer state": 3 * weights,
+                "logits of a batch": 4 * tokens * config.vocab_size * 4}
 
     def run(self, model: torch.nn.Module, context: PassContext) -> PassReport:
         o = self.options

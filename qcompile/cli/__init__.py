@@ -31,22 +31,30 @@ def compile_cmd(
     output: Path = typer.Option(..., "-o", "--output", help="Artifact directory to write."),
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Allow pytorch_model.bin (loaded with weights_only=True)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
+    streaming: str = typer.Option("auto", "--streaming", help="auto: one decoder block at a time when the model "
+                                  "does not fit in memory; on: always (or say why not); off: never."),
+    memory_limit: Optional[str] = typer.Option(None, "--memory-limit", help="Memory the compile may use, e.g. 4GiB "
+                                               "(default: the cgroup's limit, else the machine's memory)."),
     as_json: bool = json_option(),
 ):
     """Compile MODEL through the pipeline in CONFIG into an artifact directory."""
     from compiler.pipeline import PipelineConfig
-    from compiler.pipeline.compile import compile_model
+    from compiler.pipeline.compile import compile_model, describe_plan
+    from compiler.pipeline.memory import parse_size
     from qcompile.cli.report import print_reports
 
     load_plugins()
-    result = compile_model(model, PipelineConfig.from_toml(config), output, allow_pickle, force)
+    limit = parse_size(memory_limit) if memory_limit is not None else None
+    result = compile_model(model, PipelineConfig.from_toml(config), output, allow_pickle, force, streaming, limit)
     reports = [r.to_dict() for r in result.reports]
 
     def show():
         print_reports(out, reports)
+        out.print(describe_plan(result))
         out.print(f"wrote [bold]{result.path}[/bold]")
 
-    emit({"artifact": str(result.path), "passes": reports}, as_json, None, show)
+    emit({"artifact": str(result.path), "passes": reports, "streamed": result.streamed,
+          "memory_plan": result.memory.to_dict() | {"limit_bytes": result.limit_bytes}}, as_json, None, show)
 
 
 @app.command("eval")

@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parents[3]
 VLLM = {"engine": "vllm", "device": "cuda", "name": "m"}
 
 
-def _compile(checkpoint: Path, out: Path, passes: list[dict], dtype: str = "float32") -> Path:
+def _compile(checkpoint: Path, out: Path, pass_list: list[dict], dtype: str = "float32") -> Path:
     from compiler.pipeline import PipelineConfig
     from compiler.pipeline.compile import compile_model
 
-    config = {"calibration": {"samples": 4, "seq_len": 64}, "model": {"dtype": dtype}, "passes": passes}
+    config = {"calibration": {"samples": 4, "seq_len": 64}, "model": {"dtype": dtype}, "passes": pass_list}
     return compile_model(checkpoint, PipelineConfig.from_dict(config), out).path
 
 

@@ -62,14 +62,14 @@ def test_existing_output_needs_force(tiny_checkpoint, tmp_path):
 
 
 def test_interrupted_write_leaves_nothing(tiny_checkpoint, tmp_path, monkeypatch):
-    import safetensors.torch
+    from compiler.io.shards import ShardWriter
 
     src, _ = tiny_checkpoint("llama")
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    monkeypatch.setattr(ShardWriter, "_write_shard", crash)
     with pytest.raises(KeyboardInterrupt):
         compile_model(src, PipelineConfig(), tmp_path / "art")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]

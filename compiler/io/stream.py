@@ -1,0 +1,113 @@
+"""A Hugging Face safetensors checkpoint read one decoder block at a time (streamed compiles).
+
+``StreamedCheckpoint`` reads only the config and the files' headers up front. ``shell()`` is the
+model with its embeddings, final norm and lm_head loaded and every decoder block left on the
+meta device; ``block(i)`` materialises block ``i``. Each read maps the files (safetensors
+``safe_open``), copies the tensors it needs out in the compile's dtype and unmaps them again, so
+what stays resident is the tensors handed out, not the pages of the checkpoint touched so far
+(a mapping kept open would count every page read in the process's RSS).
+
+The tensors, their dtype conversion and the ``SourceInfo`` are the same as ``load_hf_dir``'s,
+so a streamed compile records the same source and computes on the same numbers.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from compiler.errors import CheckpointError
+from compiler.io.checkpoint import hf_config, hf_source, weight_files
+from compiler.io.types import load_tokenizer
+from compiler.model.transformer import DecoderLayer, Transformer, rope_inv_freq
+
+
+class StreamedCheckpoint:
+    """A HF checkpoint directory with safetensors weights, read block by block."""
+
+    def __init__(self, path: str | Path, dtype: torch.dtype, with_tokenizer: bool = True):
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
+        self.dtype = dtype
+        self.config = hf_config(self.path)
+        files, pickled = weight_files(self.path)
+        if pickled:
+            raise CheckpointError(f"{self.path}: a streamed compile reads safetensors, not pickles; convert the "
+                                  "weights to safetensors or compile with --streaming off")
+        self._where: dict[str, tuple[Path, str]] = {}  # our tensor name -> (file, name in the file)
+        for f in files:
+            try:
+                with safe_open(f, framework="pt") as st:
+                    for key in st.keys():
+                        self._where[key.removeprefix("model.")] = (f, key)
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{f}: cannot read safetensors ({e}); the file is corrupt or truncated") from None
+        self.source = hf_source(self.path, files)
+        self.tokenizer = load_tokenizer(self.path) if with_tokenizer else None
+
+    def shell(self) -> Transformer:
+        """The model with embeddings, final norm and lm_head loaded; the decoder blocks on the meta device."""
+        c = self.config
+        with torch.device("meta"):
+            model = Transformer(c)
+        wanted = {k: p for k, p in model.state_dict().items()
+                  if not k.startswith("layers.") and not (c.tie_embeddings and k == "lm_head.weight")}
+        model.load_state_dict(self._read(wanted, ""), strict=False, assign=True)
+        if c.tie_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.inv_freq = rope_inv_freq(c)
+        return model.eval()
+
+    def block(self, index: int) -> DecoderLayer:
+        """Decoder block ``index`` with its weights, in the compile's dtype."""
+        with torch.device("meta"):
+            layer = DecoderLayer(self.config, index)
+        layer.load_state_dict(self._read(layer.state_dict(), f"layers.{index}."), strict=True, assign=True)
+        return layer.eval()
+
+    def _read(self, wanted: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+        """The tensors ``prefix + name`` for each of ``wanted`` (meta tensors giving the shapes), copied out."""
+        from safetensors import SafetensorError, safe_open
+
+        missing = sorted(prefix + k for k in wanted if prefix + k not in self._where)
+        if missing:
+            raise CheckpointError(f"{self.path}: missing tensors {missing[:3]}{' ...' if len(missing) > 3 else ''}; "
+                                  "the checkpoint is incomplete")
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for k in wanted:
+            by_file[self._where[prefix + k][0]].append(k)
+        state = {}
+        for f, names in by_file.items():
+            try:
+                with safe_open(f, framework="pt") as st:
+                    for k in names:
+                        state[k] = st.get_tensor(self._where[prefix + k][1]).to(self.dtype, copy=True)
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{f}: cannot read safetensors ({e}); the file is corrupt or truncated") from None
+        for k, t in state.items():
+            if t.shape != wanted[k].shape:
+                raise CheckpointError(f"{self.path}: tensor {prefix + k} has shape {tuple(t.shape)}, config implies "
+                                      f"{tuple(wanted[k].shape)}")
+        return state
+
+
+def release_freed_memory() -> None:
+    """Collect cyclic garbage (a converted block's hooks and closures can hold it) and hand the
+    heap's free pages back to the kernel (glibc ``malloc_trim``), so the process's footprint after
+    each block is what is still alive, not the high-water mark of every block before it."""
+    gc.collect()
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc: the allocator keeps its own policy
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None

@@ -1,0 +1,183 @@
+"""Streamed compiles (one decoder block at a time) against in-memory ones, and the memory plan
+that stops a compile before any work."""
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+
+import pytest
+import torch
+
+import compiler.io.shards as shards
+import passes  # noqa: F401  (registers the passes)
+from compiler.errors import ConfigError
+from compiler.io.artifact import load_artifact
+from compiler.io.checkpoint import hf_config
+from compiler.io.stream import StreamedCheckpoint
+from compiler.pipeline import Pipeline, PipelineConfig
+from compiler.pipeline.compile import compile_model
+from compiler.pipeline.memory import RUNTIME_BYTES, MemoryPlanError, format_size, parse_size, plan_memory
+
+TINY = dict(num_hidden_layers=3)  # conftest's tiny Llama otherwise: hidden 64, GQA 4 heads on 2
+CALIB = {"samples": 6, "seq_len": 32}  # and a small corpus (``small_corpus``): tokenizing pydoc dominates otherwise
+PIPELINES = {
+    "awq": [{"name": "awq", "group_size": 32, "alpha_grid": 4, "clip_grid": 4}],
+    # static scales, the FP8 KV cache and a config-only pass after it (it reads the KV entry)
+    "fp8": [{"name": "fp8", "activation_scheme": "static", "kv_cache_dtype": "float8_e4m3fn"}, {"name": "paged_kv"}],
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_corpus(tmp_path_factory):
+    from calib import load_corpus_text
+
+    path = tmp_path_factory.mktemp("corpus") / "calib.txt"
+    path.write_text(load_corpus_text("pydoc")[:30_000])
+    CALIB["corpus"] = str(path)
+    yield
+    del CALIB["corpus"]
+
+
+def pipeline(name: str, **calibration) -> PipelineConfig:
+    return PipelineConfig.from_dict({"calibration": {**CALIB, **calibration}, "passes": PIPELINES[name]})
+
+
+@pytest.fixture
+def same_clock(monkeypatch):
+    """Wall times and the creation time are the only things two compiles may not share."""
+    monkeypatch.setattr(time, "perf_counter", lambda: 0.0)
+    monkeypatch.setattr(time, "strftime", lambda *_: "2026-12-01T00:00:00Z")
+
+
+def files(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_streamed_artifact_is_byte_for_byte_the_in_memory_one(tiny_checkpoint_with_tokenizer, tmp_path, same_clock,
+                                                               name):
+    src, _ = tiny_checkpoint_with_tokenizer("llama", **TINY)
+    in_memory = compile_model(src, pipeline(name), tmp_path / "memory", streaming="off")
+    streamed = compile_model(src, pipeline(name), tmp_path / "streamed", streaming="on")
+    assert not in_memory.streamed and streamed.streamed and streamed.loaded is None
+    expected, got = files(tmp_path / "memory"), files(tmp_path / "streamed")
+    assert list(got) == list(expected)
+    different = [f for f in expected if got[f] != expected[f]]
+    assert not different, f"streamed and in-memory artifacts differ in {different}"
+    # The streamed artifact reloads and computes what the compiled in-memory model computes.
+    reloaded = load_artifact(tmp_path / "streamed")
+    ids = torch.randint(0, reloaded.model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(reloaded.model(ids), in_memory.loaded.model(ids))
+    formats = {m["format"] for m in reloaded.manifest["modules"].values()}
+    assert formats == {"int4" if name == "awq" else "fp8"}
+
+
+@pytest.mark.parametrize("case", ["qwen3-moe", "gemma3", "deepseek-v3"])
+def test_streamed_awq_matches_in_memory_beyond_the_llama_family(byte_tokenizer, tmp_path, same_clock, case):
+    """Every expert's smoothing, the starved-expert policy, Gemma's norm placement and MLA's
+    projections stream too: the same bytes as the whole model in memory."""
+    from arch_helpers import make_arch_model
+
+    src = tmp_path / case
+    make_arch_model(case, vocab_size=len(byte_tokenizer)).save_pretrained(src)
+    byte_tokenizer.save_pretrained(src)
+    awq = PipelineConfig.from_dict({"calibration": CALIB, "passes": [
+        {"name": "awq", "group_size": 32, "alpha_grid": 2, "clip_grid": 2, "starved_experts": "all_tokens"}]})
+    in_memory = compile_model(src, awq, tmp_path / "memory", streaming="off")
+    streamed = compile_model(src, awq, tmp_path / "streamed", streaming="on")
+    assert streamed.streamed and not in_memory.streamed
+    expected, got = files(tmp_path / "memory"), files(tmp_path / "streamed")
+    assert [f for f in expected if got.get(f) != expected[f]] == []
+
+
+def test_sharded_artifacts_match_and_reload(tiny_checkpoint_with_tokenizer, tmp_path, same_clock, monkeypatch):
+    src, _ = tiny_checkpoint_with_tokenizer("llama", **TINY)
+    monkeypatch.setattr(shards, "SHARD_BYTES", 30_000)  # the tiny artifact's ~200 kB in several shards
+    compile_model(src, pipeline("awq"), tmp_path / "memory", streaming="off")
+    compile_model(src, pipeline("awq"), tmp_path / "streamed", streaming="on")
+    expected, got = files(tmp_path / "memory"), files(tmp_path / "streamed")
+    assert shards.INDEX in got and sum(n.startswith("model-0") for n in got) > 2
+    assert got == expected
+    reloaded = load_artifact(tmp_path / "streamed")
+    assert reloaded.source.size_bytes == sum(len(b) for n, b in got.items() if n.endswith(".safetensors"))
+
+
+def test_streamed_compile_holds_one_block_at_a_time(tiny_checkpoint_with_tokenizer, tmp_path, monkeypatch):
+    src, _ = tiny_checkpoint_with_tokenizer("llama", **TINY)
+    read = StreamedCheckpoint.block
+    blocks: list[weakref.ref] = []
+
+    def block(self, index):
+        gc.collect()
+        alive = [i for i, ref in enumerate(blocks) if ref() is not None]
+        assert not alive, f"reading block {index} while block(s) {alive} are still in memory"
+        layer = read(self, index)
+        blocks.append(weakref.ref(layer.input_layernorm.weight))  # a tensor the pass keeps (it scales it in place)
+        return layer
+
+    monkeypatch.setattr(StreamedCheckpoint, "block", block)
+    compile_model(src, pipeline("awq"), tmp_path / "out", streaming="on")
+    assert len(blocks) == TINY["num_hidden_layers"]
+
+
+def test_a_compile_that_will_not_fit_stops_before_any_work(tiny_checkpoint_with_tokenizer, tmp_path, monkeypatch):
+    src, _ = tiny_checkpoint_with_tokenizer("llama", **TINY)
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the compile started work before refusing")
+
+    monkeypatch.setattr("compiler.pipeline.compile.load_checkpoint", no_work)
+    monkeypatch.setattr(StreamedCheckpoint, "__init__", no_work)
+    # 2 x 256 samples x 512 tokens x 128 hidden x 4 bytes = 128 MiB of activations, streamed or not
+    big = pipeline("awq", samples=256, seq_len=512)
+    for streaming in ("auto", "on", "off"):
+        with pytest.raises(MemoryPlanError) as e:
+            compile_model(src, big, tmp_path / "out", streaming=streaming, memory_limit=RUNTIME_BYTES + 64 * 2**20)
+        message = str(e.value)
+        assert "\n" not in message
+        assert "needs about" in message and f"memory limit of {format_size(RUNTIME_BYTES + 64 * 2**20)}" in message
+        assert "calibration activations" in message and "samples (256) or seq_len (512)" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_auto_streams_when_only_the_streamed_plan_fits(tiny_checkpoint_with_tokenizer, tmp_path, monkeypatch):
+    # In memory the plan holds 6 blocks of 120 kB, streamed 2 of them.
+    src, _ = tiny_checkpoint_with_tokenizer("llama", **{**TINY, "num_hidden_layers": 6})
+    monkeypatch.setitem(PIPELINES, "awq", [{**PIPELINES["awq"][0], "weight_rounding": "nearest"}])  # faster
+    p = Pipeline(pipeline("awq"))
+    in_memory = plan_memory(p.passes, hf_config(src), p.config.calibration, torch.float32, streamed=False).total
+    streamed = plan_memory(p.passes, hf_config(src), p.config.calibration, torch.float32, streamed=True).total
+    assert streamed < in_memory
+    limit = (streamed + in_memory) // 2
+    assert compile_model(src, pipeline("awq"), tmp_path / "auto", memory_limit=limit).streamed
+    assert not compile_model(src, pipeline("awq"), tmp_path / "roomy").streamed
+    with pytest.raises(MemoryPlanError, match="compile streamed \\(--streaming on\\)"):
+        compile_model(src, pipeline("awq"), tmp_path / "off", streaming="off", memory_limit=limit)
+
+
+def test_what_cannot_stream_says_why(tiny_checkpoint_with_tokenizer, tmp_path):
+    src, _ = tiny_checkpoint_with_tokenizer("llama", **TINY)
+    distill = PipelineConfig.from_dict({"passes": [{"name": "distill", "steps": 1}]})
+    with pytest.raises(ConfigError, match="cannot stream: pass distill needs the whole model"):
+        compile_model(src, distill, tmp_path / "d", streaming="on")
+    head = PipelineConfig.from_dict({"calibration": CALIB, "passes": [{"name": "fp8", "modules_to_not_convert": []}]})
+    with pytest.raises(ConfigError, match="pass fp8 needs the whole model"):
+        compile_model(src, head, tmp_path / "h", streaming="on")
+    artifact = compile_model(src, PipelineConfig(), tmp_path / "float").path
+    with pytest.raises(ConfigError, match="not a Hugging Face checkpoint directory"):
+        compile_model(artifact, pipeline("awq"), tmp_path / "again", streaming="on")
+    with pytest.raises(ConfigError, match="streaming must be auto, on or off"):
+        compile_model(src, pipeline("awq"), tmp_path / "x", streaming="yes")
+
+
+@pytest.mark.parametrize("text,expected", [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("1.5g", int(1.5 * 2**30)),
+                                           ("16GB", 16 * 10**9), ("1024", 1024)])
+def test_memory_sizes_parse(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_a_bad_memory_size_is_one_line():
+    with pytest.raises(ConfigError, match="give a number with a unit, e.g. 4GiB"):
+        parse_size("lots")
