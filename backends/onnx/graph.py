@@ -13,6 +13,12 @@ keeps every shape static) and attends over all L keys under a mask (key j visibl
 position, and within the sliding window when the model has one). Building the graph by hand
 rather than through torch.onnx.export keeps every op on a short, known list — which ATC needs.
 
+The layer follows the model's ``ArchSpec`` as ``compiler/model`` does: q/k RMSNorm per head
+(Qwen3, Gemma 3), Gemma's (1 + w) norms around each sub-block, √dim embedding scale, GeGLU,
+per-layer windows with one mask per window and per-layer RoPE tables (``rope_index``), Gemma's
+query_pre_attn_scalar and logit soft-capping; the shared pieces are in ``ops.py``, the MLP and the
+routed experts (Qwen3-MoE, Mixtral) in ``ffn.py``. Which architectures lower: ``export.py``.
+
 An FP8 KV cache (``compiler/formats/fp8_kv.py``: the model's ``Attention.kv_quant``) is lowered
 exactly: new K (after the rotary embedding) and V are rounded through the FP8 grid with the
 artifact's scales before they reach the cache outputs, so the caches hold the values an FP8 cache
@@ -35,7 +41,7 @@ from compiler.formats.fp8_kv import Fp8KVQuant
 from compiler.model.transformer import Transformer
 from compiler.quant.fp8 import FP8_DTYPES, fp8_max
 
-__all__ = ["OPSET", "GraphBuilder", "GraphSpec", "build_graph", "fp8_round_trip", "kv_cache_export"]
+# OPSET and GraphBuilder live in ops.py; callers (tests, the Ascend lowering) import them from here too.
 # MatMulNBits' accuracy_level: the lowest precision ONNX Runtime may compute in. 0: the input's
 # type (float32: dequantize and float32 FMA), 1 float32, 2 float16, 3 bfloat16, 4 int8 (each
 # block of the activations quantized to int8, then integer dot products: VNNI on x86).
@@ -126,6 +132,7 @@ class DecoderGraph:
         self.decode = spec.kind == "decode"
         self._key_pos: str | None = None  # decode: Range(0, L), every cache slot
         self._slot: str | None = None
+        self._diff: str | None = None  # [T, Lk] query position minus key position
         self._masks: dict[int | None, str] = {}  # by attention window (None: full causal)
 
     def build(self) -> onnx.ModelProto:
