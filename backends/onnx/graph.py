@@ -149,13 +149,22 @@ class DecoderGraph:
             x, present = self._layer(x, layer, i, ropes[attn.rope_index], mask)
             outputs += present
         x = rms_norm(b, x, self.model.norm, "norm")
-        logits = linear(b, x, self.model.lm_head, "lm_head", spec.dequantize)
+        logits = self._head(x)
         cap = self.c.final_logit_softcapping
         if cap is not None:  # cap * tanh(logits / cap), in the model's dtype as Transformer.logits
             logits = b.op("Mul", [b.op("Tanh", [b.op("Div", [logits, b.fconst(cap, "/logits")], "/logits")], "/logits"),
                                   b.fconst(cap, "/logits")], "/logits")
         b.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="/logits/Identity"))
         return self._model(outputs)
+
+    def _head(self, x: str) -> str:
+        """lm_head. A float head tied to the embedding (SmolLM2, Gemma 3) reads the embedding's own
+        initializer through a Transpose, so weights.data holds the [V, dim] matrix once (ONNX Runtime
+        folds the Transpose when it loads the graph)."""
+        head, b = self.model.lm_head, self.b
+        if type(head) is nn.Linear and head.weight is self.model.embed_tokens.weight and head.bias is None:
+            return b.op("MatMul", [x, b.op("Transpose", ["embed_tokens.weight"], "lm_head", perm=[1, 0])], "lm_head")
+        return linear(b, x, head, "lm_head", self.spec.dequantize)
 
     # -- graph-wide values ------------------------------------------------------------------
     def _positions(self) -> str:
