@@ -7,9 +7,11 @@ That is the same function as routing (x + 0 adds nothing, so the sum over the pi
 ascending order is what ``run_experts`` adds up), in standard ops with static shapes (ATC's list
 too), but it costs num_experts / num_experts_per_tok times the routed compute, and every step
 reads every expert's weights: 4x for Mixtral-8x7B (top-2 of 8), 16x for Qwen3-30B-A3B (top-8 of
-128). Fine for small MoE models and for checking a lowering; a large MoE wants
-routed execution (a per-expert gather/scatter with data-dependent shapes, or ONNX Runtime's
-com.microsoft MoE contrib op), which this export does not do yet.
+128). Fine for small MoE models and for checking a lowering; a large MoE wants routed execution
+(a per-expert gather/scatter with data-dependent shapes, or ONNX Runtime's com.microsoft MoE
+contrib op), which this export does not do yet. Two ways it could part from routing, neither
+seen: an unpicked expert whose output overflows gives 0 * inf = NaN, and TopK breaks exact ties
+of router probabilities by the lower index where torch.topk does not promise an order.
 """
 from __future__ import annotations
 

@@ -136,9 +136,9 @@ class DecoderGraph:
         self._masks: dict[int | None, str] = {}  # by attention window (None: full causal)
 
     def build(self) -> onnx.ModelProto:
-        b, spec = self.b, self.spec
+        b = self.b
         x = b.op("Gather", [b.fweight("embed_tokens.weight", self.model.embed_tokens.weight), "input_ids"], "/embed")
-        if self.c.spec.scale_embeddings:  # Gemma: times sqrt(dim), the factor rounded to the model's dtype first
+        if self.c.spec.scale_embeddings:  # Gemma: times sqrt(dim), the factor rounded to the graph dtype (torch: the weight dtype)
             x = b.op("Mul", [x, b.fconst(self.model.embed_tokens.scale, "/embed")], "/embed")
         positions = self._positions()
         ropes = self._rope_tables(positions)
