@@ -38,3 +38,29 @@ def rel_error(got: np.ndarray, ref: np.ndarray) -> float:
 def torch_logits(artifact: Path, ids: torch.Tensor) -> np.ndarray:
     with torch.no_grad():
         return load_artifact(artifact).model(ids).numpy()
+
+
+def make_arch_artifact(tmp_path: Path, case: str, int4_group: int | None = None, fp8: bool = False) -> Path:
+    """Save ``arch_helpers.ARCH_CASES[case]`` (Qwen3, Gemma 3, the MoE models ...) as an artifact: float,
+    INT4 RTN (``int4_group``) or FP8 weight-only on every linear but lm_head and the routers (which
+    every pass keeps in float)."""
+    from arch_helpers import make_arch_model
+
+    from compiler.formats.fp8 import Fp8Format, Fp8Linear
+    from compiler.model.moe import router_names
+
+    hf_dir = tmp_path / f"hf-{case}"
+    make_arch_model(case).save_pretrained(hf_dir)
+    loaded = load_checkpoint(hf_dir, with_tokenizer=False)
+    keep_float = {"lm_head", *router_names(loaded.model.config)}
+    for name, linear in linear_modules(loaded.model).items():
+        if name in keep_float:
+            continue
+        if int4_group:
+            loaded.model.set_submodule(name, Int4Linear.from_float(linear, int4_group))
+        elif fp8:
+            fmt = Fp8Format.for_linear(linear, activation_scheme="none")
+            loaded.model.set_submodule(name, Fp8Linear.from_linear(linear, fmt))
+    kind = f"int4g{int4_group}" if int4_group else "fp8" if fp8 else "float"
+    return save_artifact(tmp_path / f"artifact-{case}-{kind}", loaded.model, None,
+                         SourceInfo(str(hf_dir), "hf", "0" * 64), {}, [])

@@ -29,11 +29,13 @@ from compiler.io.types import LoadedModel
 from compiler.model.transformer import Transformer
 
 EXTERNAL_THRESHOLD = 1024  # bytes: tensors above this go to weights.data
-# What graph.py builds by hand: the Llama-family layer (an RMSNorm before attention and one before
-# a SwiGLU MLP, one RoPE table, one window for every layer). Qwen3 / Gemma 3 (q/k norms, Gemma's
-# norms and GeGLU, per-layer windows and RoPE bases), the MoE architectures (routers, experts) and
-# DeepSeek-V3's latent attention would export as a wrong graph, so they are refused here.
-LOWERABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# What graph.py builds by hand: grouped-query attention (with Qwen3's and Gemma 3's q/k norms, per-
+# layer windows and RoPE bases), Gemma's norms, embedding scale and soft-capping, the gated MLP
+# (SwiGLU, GeGLU) and the routed experts of Qwen3-MoE and Mixtral (every expert on every token:
+# backends/onnx/ffn.py). DeepSeek-V3's latent attention and grouped sigmoid router are not built,
+# so it is refused here.
+LOWERABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # The manifest entries (beyond the artifact's own, compiler.io.artifact.CORE_KEYS) an ONNX bundle lowers.
 LOWERED_ENTRIES = frozenset({"kv_cache", "serving"})
 

@@ -13,6 +13,12 @@ keeps every shape static) and attends over all L keys under a mask (key j visibl
 position, and within the sliding window when the model has one). Building the graph by hand
 rather than through torch.onnx.export keeps every op on a short, known list — which ATC needs.
 
+The layer follows the model's ``ArchSpec`` as ``compiler/model`` does: q/k RMSNorm per head
+(Qwen3, Gemma 3), Gemma's (1 + w) norms around each sub-block, √dim embedding scale, GeGLU,
+per-layer windows with one mask per window and per-layer RoPE tables (``rope_index``), Gemma's
+query_pre_attn_scalar and logit soft-capping; the shared pieces are in ``ops.py``, the MLP and the
+routed experts (Qwen3-MoE, Mixtral) in ``ffn.py``. Which architectures lower: ``export.py``.
+
 An FP8 KV cache (``compiler/formats/fp8_kv.py``: the model's ``Attention.kv_quant``) is lowered
 exactly: new K (after the rotary embedding) and V are rounded through the FP8 grid with the
 artifact's scales before they reach the cache outputs, so the caches hold the values an FP8 cache
@@ -26,19 +32,16 @@ import numpy as np
 import onnx
 import torch
 import torch.nn as nn
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
+from backends.onnx.ffn import feed_forward
+from backends.onnx.ops import MS_DOMAIN, ONNX_DTYPES, OPSET, GraphBuilder, linear, rms_norm, rope
 from compiler.errors import ConfigError
 from compiler.formats.fp8_kv import Fp8KVQuant
-from compiler.formats.int4 import Int4Linear
-from compiler.formats.qlinear import QuantizedLinear
 from compiler.model.transformer import Transformer
 from compiler.quant.fp8 import FP8_DTYPES, fp8_max
 
-OPSET = 17
-MS_DOMAIN = "com.microsoft"
-NP_DTYPES = {"float32": np.float32, "float16": np.float16}
-ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+# OPSET and GraphBuilder live in ops.py; callers (tests, the Ascend lowering) import them from here too.
 # MatMulNBits' accuracy_level: the lowest precision ONNX Runtime may compute in. 0: the input's
 # type (float32: dequantize and float32 FMA), 1 float32, 2 float16, 3 bfloat16, 4 int8 (each
 # block of the activations quantized to int8, then integer dot products: VNNI on x86).
@@ -65,85 +68,6 @@ class GraphSpec:
     seq: int | None = None
     dequantize: bool = False
     accuracy_level: int = 0
-
-
-class GraphBuilder:
-    """Collects nodes and initializers; weights are kept apart so two graphs can share them."""
-
-    def __init__(self, dtype: str, accuracy_level: int = 0):
-        self.dtype = dtype
-        self.accuracy_level = accuracy_level  # of every MatMulNBits node
-        self.np_dtype = NP_DTYPES[dtype]
-        self.nodes: list[onnx.NodeProto] = []
-        self.consts: list[onnx.TensorProto] = []
-        self.weights: dict[str, onnx.TensorProto] = {}
-        self._count = 0
-
-    def op(self, op_type: str, inputs: list[str], scope: str, n_out: int = 1, domain: str = "", **attrs):
-        """Add a node named ``{scope}/{op_type}_{k}``; returns its output name(s)."""
-        self._count += 1
-        name = f"{scope}/{op_type}_{self._count}"
-        outputs = [f"{name}:{i}" for i in range(n_out)]
-        self.nodes.append(helper.make_node(op_type, inputs, outputs, name=name, domain=domain, **attrs))
-        return outputs[0] if n_out == 1 else outputs
-
-    def const(self, value, scope: str, dtype=None) -> str:
-        """A small graph-specific constant (int64 by default for shapes and indices)."""
-        self._count += 1
-        name = f"{scope}/const_{self._count}"
-        self.consts.append(numpy_helper.from_array(np.asarray(value, dtype=dtype or np.int64), name))
-        return name
-
-    def fconst(self, value, scope: str) -> str:
-        return self.const(value, scope, self.np_dtype)
-
-    def weight(self, name: str, tensor: torch.Tensor | np.ndarray, dtype=None) -> str:
-        if name not in self.weights:
-            array = tensor.detach().cpu().numpy() if isinstance(tensor, torch.Tensor) else tensor
-            self.weights[name] = numpy_helper.from_array(np.ascontiguousarray(array.astype(dtype or self.np_dtype)), name)
-        return name
-
-    def fweight(self, name: str, tensor: torch.Tensor) -> str:
-        """A float weight in the graph's dtype (converted through float32)."""
-        return self.weight(name, tensor.detach().float().cpu().numpy())
-
-
-def linear(b: GraphBuilder, x: str, module: nn.Module, name: str, dequantize: bool) -> str:
-    """x [B, T, K] -> [B, T, N] for an nn.Linear, Int4Linear (MatMulNBits) or other QuantizedLinear."""
-    if isinstance(module, Int4Linear) and not dequantize:
-        # The packed buffers already are MatMulNBits' B / scales / zero_points: no re-quantization.
-        inputs = [x, b.weight(f"{name}.qweight", module.qweight, np.uint8),
-                  b.fweight(f"{name}.scales", module.scales.reshape(-1)),
-                  b.weight(f"{name}.qzeros", module.qzeros.reshape(-1), np.uint8)]
-        y = b.op("MatMulNBits", inputs, name, domain=MS_DOMAIN, K=module.in_features, N=module.out_features,
-                 bits=4, block_size=module.group_size, accuracy_level=b.accuracy_level)
-    else:
-        w = module.dequantized_weight() if isinstance(module, QuantizedLinear) else module.weight
-        y = b.op("MatMul", [x, b.fweight(f"{name}.weight_t", w.t())], name)
-    bias = module.dequantized_bias() if isinstance(module, QuantizedLinear) else module.bias
-    if bias is not None:
-        y = b.op("Add", [y, b.fweight(f"{name}.bias", bias)], name)
-    return y
-
-
-def rms_norm(b: GraphBuilder, x: str, module: nn.Module, name: str) -> str:
-    # Normalise in float32 like the torch model, then cast back before the weight.
-    h = b.op("Cast", [x], name, to=TensorProto.FLOAT) if b.dtype != "float32" else x
-    ms = b.op("ReduceMean", [b.op("Mul", [h, h], name)], name, axes=[-1], keepdims=1)
-    eps = b.const(np.float32(module.eps), name, np.float32)
-    h = b.op("Mul", [h, b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [ms, eps], name)], name)], name)], name)
-    if b.dtype != "float32":
-        h = b.op("Cast", [h], name, to=ONNX_DTYPES[b.dtype])
-    return b.op("Mul", [b.fweight(f"{name}.weight", module.weight), h], name)
-
-
-def rope(b: GraphBuilder, x: str, cos: str, sin: str, half: int, scope: str) -> str:
-    """x [B, H, T, D] * cos + rotate_half(x) * sin, with cos/sin [T, D]."""
-    axis = b.const([-1], scope)
-    x1 = b.op("Slice", [x, b.const([0], scope), b.const([half], scope), axis], scope)
-    x2 = b.op("Slice", [x, b.const([half], scope), b.const([2 * half], scope), axis], scope)
-    rotated = b.op("Concat", [b.op("Neg", [x2], scope), x1], scope, axis=-1)
-    return b.op("Add", [b.op("Mul", [x, cos], scope), b.op("Mul", [rotated, sin], scope)], scope)
 
 
 # -- FP8 KV cache -------------------------------------------------------------------------
@@ -208,21 +132,39 @@ class DecoderGraph:
         self.decode = spec.kind == "decode"
         self._key_pos: str | None = None  # decode: Range(0, L), every cache slot
         self._slot: str | None = None
+        self._diff: str | None = None  # [T, Lk] query position minus key position
+        self._masks: dict[int | None, str] = {}  # by attention window (None: full causal)
 
     def build(self) -> onnx.ModelProto:
-        b, spec = self.b, self.spec
+        b = self.b
         x = b.op("Gather", [b.fweight("embed_tokens.weight", self.model.embed_tokens.weight), "input_ids"], "/embed")
+        if self.c.spec.scale_embeddings:  # Gemma: times sqrt(dim), the factor rounded to the graph dtype (torch: the weight dtype)
+            x = b.op("Mul", [x, b.fconst(self.model.embed_tokens.scale, "/embed")], "/embed")
         positions = self._positions()
-        cos, sin = self._rope_tables(positions)
-        mask = self._mask(positions)
+        ropes = self._rope_tables(positions)
         outputs = []
         for i, layer in enumerate(self.model.layers):
-            x, present = self._layer(x, layer, i, cos, sin, mask)
+            attn = layer.self_attn
+            mask = self._mask(positions, attn.sliding_window)
+            x, present = self._layer(x, layer, i, ropes[attn.rope_index], mask)
             outputs += present
         x = rms_norm(b, x, self.model.norm, "norm")
-        logits = linear(b, x, self.model.lm_head, "lm_head", spec.dequantize)
+        logits = self._head(x)
+        cap = self.c.final_logit_softcapping
+        if cap is not None:  # cap * tanh(logits / cap), in the model's dtype as Transformer.logits
+            logits = b.op("Mul", [b.op("Tanh", [b.op("Div", [logits, b.fconst(cap, "/logits")], "/logits")], "/logits"),
+                                  b.fconst(cap, "/logits")], "/logits")
         b.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="/logits/Identity"))
         return self._model(outputs)
+
+    def _head(self, x: str) -> str:
+        """lm_head. A float head tied to the embedding (SmolLM2, Gemma 3) reads the embedding's own
+        initializer through a Transpose, so weights.data holds the [V, dim] matrix once (ONNX Runtime
+        folds the Transpose when it loads the graph)."""
+        head, b = self.model.lm_head, self.b
+        if type(head) is nn.Linear and head.weight is self.model.embed_tokens.weight and head.bias is None:
+            return b.op("MatMul", [x, b.op("Transpose", ["embed_tokens.weight"], "lm_head", perm=[1, 0])], "lm_head")
+        return linear(b, x, head, "lm_head", self.spec.dequantize)
 
     # -- graph-wide values ------------------------------------------------------------------
     def _positions(self) -> str:
@@ -232,37 +174,55 @@ class DecoderGraph:
         pos = b.op("Range", [b.const(0, "/positions"), seq, b.const(1, "/positions")], "/positions")
         return b.op("Add", [pos, "past_len"], "/positions") if self.decode else pos
 
-    def _rope_tables(self, positions: str) -> tuple[str, str]:
-        # The table is the torch model's own rope() over every cache position, so values match bit for bit.
+    def _rope_tables(self, positions: str) -> list[tuple[str, str]]:
+        """(cos, sin) [T, D] for each RoPE base the model has (``Attention.rope_index``: Gemma 3's
+        sliding layers read table 1). The tables are the torch model's own rope() over every cache
+        position, so values match bit for bit."""
         table_pos = torch.arange(self.spec.max_len)[None]
-        cos, sin = self.model.rope(table_pos, torch.float32)  # [1, 1, L, D]
-        b = self.b
-        cos_t = b.fweight("rope.cos", cos[0, 0])
-        sin_t = b.fweight("rope.sin", sin[0, 0])
-        return (b.op("Gather", [cos_t, positions], "/rope", axis=0), b.op("Gather", [sin_t, positions], "/rope", axis=0))
+        cos, sin = self.model.rope(table_pos, torch.float32)  # [1, R, L, D]
+        b, tables = self.b, []
+        for r in range(cos.shape[1]):
+            suffix = "" if r == 0 else f".{r}"
+            cos_t, sin_t = b.fweight(f"rope.cos{suffix}", cos[0, r]), b.fweight(f"rope.sin{suffix}", sin[0, r])
+            tables.append((b.op("Gather", [cos_t, positions], "/rope", axis=0), b.op("Gather", [sin_t, positions], "/rope", axis=0)))
+        return tables
 
-    def _mask(self, positions: str) -> str:
-        """Boolean [T, Lk]: key j is visible to query t when 0 <= pos[t] - j (< window)."""
+    def _mask(self, positions: str, window: int | None) -> str:
+        """Boolean [T, Lk]: key j is visible to query t when 0 <= pos[t] - j (< window); one per window."""
+        if window in self._masks:
+            return self._masks[window]
         b = self.b
-        key_pos = positions
-        if self.decode:  # every cache slot; built in-graph so no large constant sits outside the shared weights
-            key_pos = b.op("Range", [b.const(0, "/mask"), b.const(self.spec.max_len, "/mask"), b.const(1, "/mask")], "/mask")
-            self._key_pos = key_pos
-        diff = b.op("Sub", [b.op("Unsqueeze", [positions, b.const([1], "/mask")], "/mask"),
-                            b.op("Unsqueeze", [key_pos, b.const([0], "/mask")], "/mask")], "/mask")
-        mask = b.op("GreaterOrEqual", [diff, b.const(0, "/mask")], "/mask")
-        if self.c.sliding_window is not None:
-            inside = b.op("Less", [diff, b.const(self.c.sliding_window, "/mask")], "/mask")
-            mask = b.op("And", [mask, inside], "/mask")
-        return mask
+        if None not in self._masks:  # the causal mask: every other window narrows it
+            key_pos = positions
+            if self.decode:  # every cache slot; built in-graph so no large constant sits outside the shared weights
+                key_pos = b.op("Range", [b.const(0, "/mask"), b.const(self.spec.max_len, "/mask"), b.const(1, "/mask")], "/mask")
+                self._key_pos = key_pos
+            self._diff = b.op("Sub", [b.op("Unsqueeze", [positions, b.const([1], "/mask")], "/mask"),
+                                      b.op("Unsqueeze", [key_pos, b.const([0], "/mask")], "/mask")], "/mask")
+            self._masks[None] = b.op("GreaterOrEqual", [self._diff, b.const(0, "/mask")], "/mask")
+        if window is not None:
+            inside = b.op("Less", [self._diff, b.const(window, "/mask")], "/mask")
+            self._masks[window] = b.op("And", [self._masks[None], inside], "/mask")
+        return self._masks[window]
 
     # -- one decoder layer ------------------------------------------------------------------
-    def _layer(self, x: str, layer: nn.Module, i: int, cos: str, sin: str, mask: str) -> tuple[str, list[str]]:
+    def _layer(self, x: str, layer: nn.Module, i: int, rope_table: tuple[str, str], mask: str) -> tuple[str, list[str]]:
+        """One ``DecoderLayer``: pre-norm attention and feed-forward on the residual stream; with
+        Gemma's sandwich norms each sub-block's output is normalised before its add."""
         b, p = self.b, f"layers.{i}"
         attn_out, present = self._attention(rms_norm(b, x, layer.input_layernorm, f"{p}.input_layernorm"),
-                                            layer.self_attn, i, cos, sin, mask)
-        h = b.op("Add", [x, attn_out], p)
-        m = self._mlp(rms_norm(b, h, layer.post_attention_layernorm, f"{p}.post_attention_layernorm"), layer.mlp, f"{p}.mlp")
+                                            layer.self_attn, i, *rope_table, mask)
+        ffn_scope = f"{p}.{layer.ffn_name}"
+        act = self.c.spec.activation
+        if layer.sandwich:
+            h = b.op("Add", [x, rms_norm(b, attn_out, layer.post_attention_layernorm, f"{p}.post_attention_layernorm")], p)
+            m = feed_forward(b, rms_norm(b, h, layer.pre_feedforward_layernorm, f"{p}.pre_feedforward_layernorm"),
+                             layer.ffn, act, ffn_scope, self.spec.dequantize)
+            m = rms_norm(b, m, layer.post_feedforward_layernorm, f"{p}.post_feedforward_layernorm")
+        else:
+            h = b.op("Add", [x, attn_out], p)
+            m = feed_forward(b, rms_norm(b, h, layer.post_attention_layernorm, f"{p}.post_attention_layernorm"),
+                             layer.ffn, act, ffn_scope, self.spec.dequantize)
         return b.op("Add", [h, m], p), present
 
     def _heads(self, x: str, n_heads: int, scope: str) -> str:
@@ -274,9 +234,14 @@ class DecoderGraph:
     def _attention(self, x: str, attn: nn.Module, i: int, cos: str, sin: str, mask: str):
         b, c, p, dq = self.b, self.c, f"layers.{i}.self_attn", self.spec.dequantize
         hd, n_rep = c.head_dim, c.n_heads // c.n_kv_heads
-        q = rope(b, self._heads(linear(b, x, attn.q_proj, f"{p}.q_proj", dq), c.n_heads, p), cos, sin, hd // 2, p)
-        k = rope(b, self._heads(linear(b, x, attn.k_proj, f"{p}.k_proj", dq), c.n_kv_heads, p), cos, sin, hd // 2, p)
+        q = self._heads(linear(b, x, attn.q_proj, f"{p}.q_proj", dq), c.n_heads, p)
+        k = self._heads(linear(b, x, attn.k_proj, f"{p}.k_proj", dq), c.n_kv_heads, p)
         v = self._heads(linear(b, x, attn.v_proj, f"{p}.v_proj", dq), c.n_kv_heads, p)
+        if c.spec.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's D channels, before RoPE
+            q, k = rms_norm(b, q, attn.q_norm, f"{p}.q_norm"), rms_norm(b, k, attn.k_norm, f"{p}.k_norm")
+        q, k = rope(b, q, cos, sin, hd // 2, p), rope(b, k, cos, sin, hd // 2, p)
+        if attn.q_scale != 1.0:  # Gemma 3's query_pre_attn_scalar, as Attention applies it (q times the ratio)
+            q = b.op("Mul", [q, b.fconst(attn.q_scale, p)], p)
         k, v = kv_rounding(b, attn, k, v, p)
         k_all, v_all = self._cache_write(k, f"key.{i}", p), self._cache_write(v, f"value.{i}", p)
         keys, values = (k_all, v_all) if self.decode else (k, v)
@@ -320,12 +285,6 @@ class DecoderGraph:
             slot = b.op("Equal", [self._key_pos, "past_len"], "/slot")
             self._slot = b.op("Reshape", [slot, b.const([1, 1, self.spec.max_len, 1], "/slot")], "/slot")
         return self._slot
-
-    def _mlp(self, x: str, mlp: nn.Module, p: str) -> str:
-        b, dq = self.b, self.spec.dequantize
-        gate = linear(b, x, mlp.gate_proj, f"{p}.gate_proj", dq)
-        act = b.op("Mul", [gate, b.op("Sigmoid", [gate], p)], p)  # SiLU
-        return linear(b, b.op("Mul", [act, linear(b, x, mlp.up_proj, f"{p}.up_proj", dq)], p), mlp.down_proj, f"{p}.down_proj", dq)
 
     # -- model proto ------------------------------------------------------------------------
     def _model(self, present: list[str]) -> onnx.ModelProto:
