@@ -64,20 +64,34 @@ def check_artifact(manifest: dict, where: str) -> None:
     """Raise ConfigError, before any work, for anything in the artifact vLLM cannot run exactly."""
     arch = manifest["model_config"]["architecture"]
     if arch not in MODEL_TYPES:
-        # DeepSeek-V3, for one: vLLM fuses q_a_proj with kv_a_proj_with_mqa, runs the experts through
-        # FusedMoE (one scheme for every expert: a float-fallback expert has no spelling) and absorbs
-        # kv_b_proj into MLA; none of it is checked against vLLM's loader here.
+        # DeepSeek-V3, for one: vLLM fuses q_a_proj with kv_a_proj_with_mqa, absorbs kv_b_proj into MLA
+        # and runs shared experts beside the routed ones; none of it is checked against vLLM's loader here.
         raise ConfigError(f"{where}: target 'vllm' cannot export {arch} yet (it exports {', '.join(MODEL_TYPES)}); "
                           "serve it with the engine (qcompile generate)")
-    if arch == "Gemma3ForCausalLM" and manifest["dtype"] == "float16":
+    if arch == "Gemma3ForCausalLM" and manifest["dtype"] == "float16":  # vLLM's own check (its gemma3_text config)
         raise ConfigError(f"{where}: vLLM refuses Gemma 3 in float16 (numerically unstable, it says); compile it in "
                           "float32 or bfloat16 (set [model] dtype)")
     modules = manifest.get("modules", {})
     check_formats("vllm", modules, where)
     check_plan("vllm", DeploymentPlan(manifest["dtype"], modules, kv_cache=manifest.get("kv_cache")), where)
-    why = check_experts(modules, expert_linears(ModelConfig.from_dict(manifest["model_config"])))
+    config = ModelConfig.from_dict(manifest["model_config"])
+    why = check_experts(modules, expert_linears(config)) or _check_dense_layers(config, modules)
     if why:
         raise ConfigError(f"{where}: target 'vllm' cannot run {why}")
+
+
+def _check_dense_layers(config: ModelConfig, modules: dict[str, dict]) -> str | None:
+    """vLLM 0.32's Qwen3-MoE fuses a dense layer's gate/up_proj into gate_up_proj without telling its
+    quantization config, finds no scheme for it and fails to load its quantized weights."""
+    if config.spec.ffn != "qwen_moe":
+        return None
+    dense = [f"layers.{i}.mlp.{p}" for i in range(config.n_layers) if not config.is_moe_layer(i)
+             for p in ("gate_proj", "up_proj")]
+    quantized = [name for name in dense if name in modules]
+    if quantized:
+        return (f"{quantized[0]}: a quantized MLP in a Qwen3-MoE dense layer (mlp_only_layers); vLLM 0.32 finds no scheme "
+                "for its fused gate_up_proj and fails to load it; add the dense layers' mlp to modules_to_not_convert")
+    return None
 
 
 def expert_linears(config: ModelConfig) -> dict[str, list[str]]:

@@ -15,7 +15,9 @@ the ``weights`` / ``input_activations`` quantization args and the on-disk ``form
 ``check_module`` says, for one manifest entry, why no stock vLLM kernel runs it (or None);
 ``check_plan`` the same for what no single entry shows: the model dtype, the layer sets vLLM
 fuses into one GEMM (q/k/v, gate/up), which must share one scheme (``check_fused``), and the
-FP8 KV cache (``check_kv_cache``). Every message names the option and what to use instead.
+FP8 KV cache (``check_kv_cache``), and a mixture-of-experts layer's experts, which vLLM runs as one
+FusedMoE of one scheme (``check_experts``; its CPU MoE kernels take symmetric INT4 experts, group
+size other than 32, and no per-channel FP8). Every message names the option and what to use instead.
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ def check_module(module: str, fmt: dict) -> str | None:
     """None when vLLM runs ``module`` stored as ``fmt`` (a manifest entry), else why not and what to do."""
     name = fmt.get("format")
     if name == "int4":
-        return _check_int4(fmt)
+        return _check_int4(fmt) or (_check_int4_expert(fmt) if EXPERT.fullmatch(module) else None)
     if name == "fp8":
         return _check_fp8(module, fmt)
     return f"weight format {name!r}, which has no compressed-tensors scheme (vLLM runs float, int4 and fp8 layers)"
@@ -75,6 +77,17 @@ def _check_int4(fmt: dict) -> str | None:
     if padded != k:
         return (f"int4 group size {g} on {k} input features, zero-padded to {padded} (group_size_policy = \"pad\"): "
                 f"compressed-tensors groups must divide the input features; use group_size_policy = \"fallback\"")
+    return None
+
+
+def _check_int4_expert(fmt: dict) -> str | None:
+    """vLLM 0.32's CPU MoE kernel (``CPUExpertsInt4``) takes symmetric INT4 experts whose groups are not 32 wide."""
+    if fmt.get("zero_point"):
+        return ("asymmetric int4 MoE experts: vLLM 0.32's CPU MoE kernel (CPUExpertsInt4) takes symmetric experts only "
+                "and refuses zero points; set zero_point = false")
+    if fmt.get("group_size") == 32:
+        return ("int4 MoE experts of group size 32: vLLM 0.32's CPU MoE kernel (CPUExpertsInt4) has no group-32 "
+                "scheme; use group_size = 64 or 128")
     return None
 
 

@@ -285,9 +285,9 @@ def test_fp8_experts_are_refused_and_float_experts_export(tmp_path):
 
 
 def test_lower_refuses_experts_left_float_beside_quantized_ones(tmp_path):
-    checkpoint = save_arch(tmp_path, "qwen3-moe")
-    pipeline = {"model": {"dtype": "float16"},
-                "passes": [{"name": "awq", "group_size": 32, "modules_to_not_convert": ["lm_head", "experts.5"]}]}
+    checkpoint = save_arch(tmp_path, "qwen3-moe", moe_intermediate_size=64)
+    pipeline = {"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 64, "zero_point": False,
+                                                            "modules_to_not_convert": ["lm_head", "experts.5"]}]}
     artifact = compile_for(checkpoint, pipeline, tmp_path / "artifact", target=None)
     with pytest.raises(ConfigError, match=r"layers.0.mlp.experts: 3 expert linears kept in float \(layers.0.mlp.experts.5"):
         lower(artifact, "vllm", tmp_path / "vllm")
@@ -297,4 +297,22 @@ def test_gemma3_in_float16_is_refused(tmp_path):
     checkpoint = save_arch(tmp_path, "gemma3")
     artifact = compile_for(checkpoint, {"model": {"dtype": "float16"}}, tmp_path / "artifact", target=None)
     with pytest.raises(ConfigError, match="vLLM refuses Gemma 3 in float16"):
+        lower(artifact, "vllm", tmp_path / "vllm")
+
+
+@pytest.mark.parametrize("awq, words", [({"group_size": 64}, "zero_point = false"),
+                                        ({"group_size": 32, "zero_point": False}, "use group_size = 64 or 128")])
+def test_int4_experts_vllm_cpu_cannot_run_are_refused_before_any_work(tmp_path, awq, words):
+    checkpoint = save_arch(tmp_path, "qwen3-moe", moe_intermediate_size=64)
+    with pytest.raises(PipelineValidationError) as e:
+        compile_for(checkpoint, {"model": {"dtype": "float16"}, "passes": [{"name": "awq", **awq}]}, tmp_path / "artifact")
+    assert words in str(e.value) and "int4 MoE experts" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "artifact").exists()
+
+
+def test_quantized_dense_mlp_of_qwen3_moe_is_refused(tmp_path):
+    checkpoint = save_arch(tmp_path, "qwen3-moe", moe_intermediate_size=64, mlp_only_layers=[1])
+    pipeline = {"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 64, "zero_point": False}]}
+    artifact = compile_for(checkpoint, pipeline, tmp_path / "artifact", target=None)
+    with pytest.raises(ConfigError, match=r"layers.1.mlp.gate_proj: a quantized MLP in a Qwen3-MoE dense layer"):
         lower(artifact, "vllm", tmp_path / "vllm")
