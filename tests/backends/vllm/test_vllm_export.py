@@ -228,18 +228,6 @@ def test_gemma3_with_a_fractional_query_scalar_is_refused():
         hf_config(config, "float32")
 
 
-def test_deepseek_v3_is_refused_with_one_line(tmp_path):
-    path = tmp_path / "ckpt"
-    tokenizer = make_byte_tokenizer()
-    make_arch_model("deepseek-v3", vocab_size=len(tokenizer)).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    artifact = compile_for(path, {}, tmp_path / "artifact", target=None)
-    with pytest.raises(ConfigError) as e:
-        lower(artifact, "vllm", tmp_path / "vllm")
-    assert "cannot export DeepseekV3ForCausalLM" in str(e.value) and "\n" not in str(e.value)
-    assert not (tmp_path / "vllm").exists()
-
-
 def test_experts_of_a_layer_must_share_one_scheme():
     int4 = {"format": "int4", "group_size": 32, "zero_point": True}
     shapes = {"gate_proj": (64, 32), "up_proj": (64, 32), "down_proj": (32, 64)}  # (in, out): the shapes may differ
