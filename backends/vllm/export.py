@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from backends.vllm.schemes import FUSED_SETS, ct_scheme, kv_cache_scheme
+from backends.vllm.schemes import FUSED_SETS, check_experts, ct_scheme, kv_cache_scheme
 from backends.vllm.tensors import fp8_tensors, int4_tensors, kv_scale_tensors
 from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
 from compiler.errors import ConfigError
@@ -29,12 +29,17 @@ from compiler.formats.qlinear import linear_modules, quantized_modules
 from compiler.io.artifact import MANIFEST, load_artifact, read_manifest
 from compiler.io.atomic import atomic_directory_write
 from compiler.io.types import sha256_files
+from compiler.model.architectures import FULL, SLIDING
 from compiler.model.config import ModelConfig
 
 # The compressed-tensors release whose loader this layout was checked against (its decompressor
 # in tests/backends/vllm, and vLLM 0.32's CPU kernels); compressed-tensors writes its own version here.
 CT_VERSION = "0.17.0"
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "Qwen3MoeForCausalLM": "qwen3_moe",
+               "MixtralForCausalLM": "mixtral"}
+# The routed experts' linears as the checkpoints name them (vLLM's FusedMoE loads them by these names).
+EXPERT_LINEARS = {"qwen_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")), "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 INDEX_FILE = "model.safetensors.index.json"
 EXPORT_FILE = "qcompile_export.json"
 
@@ -59,14 +64,44 @@ def check_artifact(manifest: dict, where: str) -> None:
     """Raise ConfigError, before any work, for anything in the artifact vLLM cannot run exactly."""
     arch = manifest["model_config"]["architecture"]
     if arch not in MODEL_TYPES:
-        # DeepSeek-V3, for one: vLLM fuses q_a_proj with kv_a_proj_with_mqa, runs the experts through
-        # FusedMoE (one scheme for every expert: a float-fallback expert has no spelling) and absorbs
-        # kv_b_proj into MLA; none of it is checked against vLLM's loader here.
+        # DeepSeek-V3, for one: vLLM fuses q_a_proj with kv_a_proj_with_mqa, absorbs kv_b_proj into MLA
+        # and runs shared experts beside the routed ones; none of it is checked against vLLM's loader here.
         raise ConfigError(f"{where}: target 'vllm' cannot export {arch} yet (it exports {', '.join(MODEL_TYPES)}); "
                           "serve it with the engine (qcompile generate)")
+    if arch == "Gemma3ForCausalLM" and manifest["dtype"] == "float16":  # vLLM's own check (its gemma3_text config)
+        raise ConfigError(f"{where}: vLLM refuses Gemma 3 in float16 (numerically unstable, it says); compile it in "
+                          "float32 or bfloat16 (set [model] dtype)")
     modules = manifest.get("modules", {})
     check_formats("vllm", modules, where)
     check_plan("vllm", DeploymentPlan(manifest["dtype"], modules, kv_cache=manifest.get("kv_cache")), where)
+    config = ModelConfig.from_dict(manifest["model_config"])
+    why = check_experts(modules, expert_linears(config)) or _check_dense_layers(config, modules)
+    if why:
+        raise ConfigError(f"{where}: target 'vllm' cannot run {why}")
+
+
+def _check_dense_layers(config: ModelConfig, modules: dict[str, dict]) -> str | None:
+    """vLLM 0.32's Qwen3-MoE fuses a dense layer's gate/up_proj into gate_up_proj without telling its
+    quantization config, finds no scheme for it and fails to load its quantized weights."""
+    if config.spec.ffn != "qwen_moe":
+        return None
+    dense = [f"layers.{i}.mlp.{p}" for i in range(config.n_layers) if not config.is_moe_layer(i)
+             for p in ("gate_proj", "up_proj")]
+    quantized = [name for name in dense if name in modules]
+    if quantized:
+        return (f"{quantized[0]}: a quantized MLP in a Qwen3-MoE dense layer (mlp_only_layers); vLLM 0.32 finds no scheme "
+                "for its fused gate_up_proj and fails to load it; add the dense layers' mlp to modules_to_not_convert")
+    return None
+
+
+def expert_linears(config: ModelConfig) -> dict[str, list[str]]:
+    """Every routed expert's linears by experts module (``layers.i.mlp.experts``: ``[layers.i.mlp.experts.0.gate_proj, ...]``)."""
+    if config.spec.ffn not in EXPERT_LINEARS:
+        return {}
+    block, projections = EXPERT_LINEARS[config.spec.ffn]
+    return {f"layers.{i}.{block}.experts": [f"layers.{i}.{block}.experts.{e}.{p}" for e in range(config.num_experts)
+                                            for p in projections]
+            for i in range(config.n_layers) if config.is_moe_layer(i)}
 
 
 def _check_static_input_scales(model: torch.nn.Module, modules: dict[str, dict], where: str) -> None:
@@ -83,6 +118,44 @@ def _check_static_input_scales(model: torch.nn.Module, modules: dict[str, dict],
                               f"{sorted(scales)} (vLLM keeps the largest for the fused layer); use activation_scheme = \"dynamic\"")
 
 
+def _rope_parameters(theta: float, scaling: dict | None) -> dict:
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))  # "type": the older spelling
+    return {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": rope_type, "rope_theta": theta}
+
+
+def _architecture_fields(config: ModelConfig) -> dict:
+    """The ``config.json`` fields that differ per architecture (the inverse of compiler/model/hf_config.py)."""
+    arch = config.architecture
+    if arch == "Qwen2ForCausalLM":
+        return dict(use_sliding_window=False, sliding_window=None)
+    fields = dict(attention_bias=config.qkv_bias)
+    if arch in ("LlamaForCausalLM", "MistralForCausalLM"):
+        fields["mlp_bias"] = config.mlp_bias
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        fields["sliding_window"] = config.sliding_window
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        fields |= dict(use_sliding_window=False, sliding_window=None)
+    if arch == "Gemma3ForCausalLM":
+        scalar = config.query_pre_attn_scalar
+        if not float(scalar).is_integer():
+            raise ConfigError(f"Gemma 3 with query_pre_attn_scalar={scalar}: Hugging Face's config (which vLLM reads) "
+                              "holds an integer; this artifact cannot be exported")
+        fields |= dict(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(scalar),
+                       sliding_window=config.sliding_window, layer_types=config.layer_types,
+                       final_logit_softcapping=config.final_logit_softcapping, attn_logit_softcapping=None,
+                       rope_parameters={FULL: _rope_parameters(config.rope_theta, config.rope_scaling),
+                                        SLIDING: _rope_parameters(config.rope_local_theta or 10_000.0, None)})
+    if arch == "Qwen3MoeForCausalLM":
+        moe = set(range(config.n_layers)) if config.moe_layers is None else set(config.moe_layers)
+        fields |= dict(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+                       moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+                       decoder_sparse_step=1, mlp_only_layers=sorted(set(range(config.n_layers)) - moe))
+    if arch == "MixtralForCausalLM":  # every layer routed, experts intermediate_size wide, top-k renormalised
+        fields |= dict(num_local_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok)
+    return fields
+
+
 def hf_config(config: ModelConfig, dtype: str) -> dict:
     """The Hugging Face ``config.json`` of ``config``, built by transformers' own config class."""
     from transformers import AutoConfig
@@ -91,21 +164,16 @@ def hf_config(config: ModelConfig, dtype: str) -> dict:
     if arch != "Qwen2ForCausalLM" and config.qkv_bias != config.o_bias:
         raise ConfigError(f"{arch} with a q/k/v bias but {'an' if config.o_bias else 'no'} o_proj bias has no "
                           "Hugging Face config (attention_bias covers all four); this artifact cannot be exported")
-    scaling = config.rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))  # "type": the older spelling
-    rope = {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": rope_type, "rope_theta": config.rope_theta}
     fields = dict(vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=config.intermediate_size,
                   num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
                   num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim, hidden_act="silu",
-                  rms_norm_eps=config.norm_eps, max_position_embeddings=config.max_seq_len, rope_parameters=rope,
+                  rms_norm_eps=config.norm_eps, max_position_embeddings=config.max_seq_len,
+                  rope_parameters=_rope_parameters(config.rope_theta, config.rope_scaling),
                   tie_word_embeddings=config.tie_embeddings, bos_token_id=config.bos_token_id,
                   eos_token_id=config.eos_token_id, dtype=dtype)
-    if arch == "Qwen2ForCausalLM":
-        fields |= dict(use_sliding_window=False, sliding_window=None)
-    else:
-        fields |= dict(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
-        if arch == "MistralForCausalLM":
-            fields["sliding_window"] = config.sliding_window
+    fields |= _architecture_fields(config)
+    if arch == "Gemma3ForCausalLM":
+        del fields["hidden_act"]
     hf = AutoConfig.for_model(MODEL_TYPES[arch], **fields).to_diff_dict()  # what save_pretrained writes
     hf["architectures"] = [arch]
     return hf

@@ -15,10 +15,13 @@ the ``weights`` / ``input_activations`` quantization args and the on-disk ``form
 ``check_module`` says, for one manifest entry, why no stock vLLM kernel runs it (or None);
 ``check_plan`` the same for what no single entry shows: the model dtype, the layer sets vLLM
 fuses into one GEMM (q/k/v, gate/up), which must share one scheme (``check_fused``), and the
-FP8 KV cache (``check_kv_cache``). Every message names the option and what to use instead.
+FP8 KV cache (``check_kv_cache``), and a mixture-of-experts layer's experts, which vLLM runs as one
+FusedMoE of one scheme (``check_experts``; its CPU MoE kernels take symmetric INT4 experts, group
+size other than 32, and no per-channel FP8). Every message names the option and what to use instead.
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -27,6 +30,7 @@ CT_FP8 = "float8_e4m3fn"  # compressed-tensors' one 8-bit float type (and vLLM's
 # Layers vLLM's Llama/Mistral/Qwen2 models run as one fused GEMM (their packed_modules_mapping).
 FUSED_SETS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 FUSED_SUFFIXES = tuple(name for group in FUSED_SETS for name in group)
+EXPERT = re.compile(r"(.*?\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)")  # Qwen3-MoE's and Mixtral's expert linears
 
 
 def _int4_args(fmt: dict) -> dict:
@@ -62,7 +66,7 @@ def check_module(module: str, fmt: dict) -> str | None:
     """None when vLLM runs ``module`` stored as ``fmt`` (a manifest entry), else why not and what to do."""
     name = fmt.get("format")
     if name == "int4":
-        return _check_int4(fmt)
+        return _check_int4(fmt) or (_check_int4_expert(fmt) if EXPERT.fullmatch(module) else None)
     if name == "fp8":
         return _check_fp8(module, fmt)
     return f"weight format {name!r}, which has no compressed-tensors scheme (vLLM runs float, int4 and fp8 layers)"
@@ -76,7 +80,21 @@ def _check_int4(fmt: dict) -> str | None:
     return None
 
 
+def _check_int4_expert(fmt: dict) -> str | None:
+    """vLLM 0.32's CPU MoE kernel (``CPUExpertsInt4``) takes symmetric INT4 experts whose groups are not 32 wide."""
+    if fmt.get("zero_point"):
+        return ("asymmetric int4 MoE experts: vLLM 0.32's CPU MoE kernel (CPUExpertsInt4) takes symmetric experts only "
+                "and refuses zero points; set zero_point = false")
+    if fmt.get("group_size") == 32:
+        return ("int4 MoE experts of group size 32: vLLM 0.32's CPU MoE kernel (CPUExpertsInt4) has no group-32 "
+                "scheme; use group_size = 64 or 128")
+    return None
+
+
 def _check_fp8(module: str, fmt: dict) -> str | None:
+    if EXPERT.fullmatch(module):
+        return ("fp8 MoE experts: vLLM 0.32's CPU build runs FP8 experts only as 128x128 blocks (which qcompile does not "
+                "write) and refuses per-channel or per-tensor ones; add \"experts\" to modules_to_not_convert (or use int4)")
     if fmt.get("input_shift"):
         return "fp8 input_shift (x − μ with the shift folded into the bias): vLLM has no input shift; set input_shift = false"
     if fmt.get("outlier_channels"):
@@ -119,6 +137,35 @@ def check_fused(formats: dict[str, dict]) -> str | None:
     return None
 
 
+def _expert_key(fmt: dict) -> dict:
+    """What must agree across a layer's experts: the scheme, not the shapes (gate/up read the hidden size, down the expert width)."""
+    return {k: v for k, v in fmt.items() if k not in ("in_features", "out_features", "padded_in_features")}
+
+
+def check_experts(formats: dict[str, dict], expert_linears: dict[str, list[str]] | None = None) -> str | None:
+    """None when each MoE layer's experts are all of one scheme, else which layer is not and why.
+
+    vLLM runs a layer's experts as one FusedMoE with the scheme it finds for expert 0's gate, up
+    and down projections, so every expert linear of the layer must share it (group size included).
+    ``expert_linears`` ({experts module: every expert linear's name}) also catches experts left in
+    float among quantized ones (a fallback), which the quantized names alone do not show."""
+    layers: dict[str, dict[str, dict]] = {}
+    for name, fmt in formats.items():
+        if m := EXPERT.fullmatch(name):
+            layers.setdefault(m.group(1), {})[name] = fmt
+    for layer, entries in sorted(layers.items()):
+        keys = {json.dumps(_expert_key(f), sort_keys=True): f for f in entries.values()}
+        if len(keys) > 1:
+            return (f"{layer}: experts of {len(keys)} schemes ({', '.join(sorted(_describe(f) for f in keys.values()))}); "
+                    "vLLM runs a layer's experts as one fused MoE with one scheme; pick a group_size that divides "
+                    "both the hidden size and moe_intermediate_size")
+        floats = sorted(set((expert_linears or {}).get(layer, [])) - set(entries))
+        if floats:
+            return (f"{layer}: {len(floats)} expert linears kept in float ({floats[0]}, ...) beside quantized ones; vLLM "
+                    "runs a layer's experts with one scheme; recompile without max_layer_error (or keep all in float)")
+    return None
+
+
 def _describe(fmt: dict | None) -> str:
     if fmt is None:
         return "float"
@@ -151,7 +198,7 @@ def check_plan(plan) -> str | None:
     for name, options in plan.passes:  # a pipeline's FP8 KV cache, before the pass has calibrated it
         if name == "fp8" and getattr(options, "kv_cache_dtype", "none") != "none":
             kv = {"dtype": options.kv_cache_dtype, "granularity": options.kv_cache_granularity}
-    return check_fused(plan.formats) or check_kv_cache(kv)
+    return check_fused(plan.formats) or check_experts(plan.formats) or check_kv_cache(kv)
 
 
 def kv_cache_scheme(entry: dict | None) -> dict | None:

@@ -11,12 +11,14 @@ import json
 
 import pytest
 import torch
+from arch_helpers import ARCH_CASES, make_arch_model
+from conftest import make_byte_tokenizer
 from safetensors import safe_open
 from vllm_helpers import FP8_KV, INT4, compile_for, save_checkpoint
 
 import backends  # noqa: F401  (registers the vllm target)
 from backends.vllm.export import _shards, hf_config, write_shards
-from backends.vllm.schemes import check_fused
+from backends.vllm.schemes import check_experts, check_fused
 from compiler.deploy.lowering import lower
 from compiler.errors import ConfigError, PipelineValidationError
 from compiler.formats.qlinear import quantized_modules
@@ -208,3 +210,97 @@ def test_fused_sets_must_share_one_scheme():
     assert "layers.0: q_proj int4 g64, k_proj int4 g64, v_proj int4 g32; vLLM runs q_proj/k_proj/v_proj" in check_fused(mixed)
     half = {"layers.3.mlp.gate_proj": int4}
     assert "layers.3: gate_proj int4 g64, up_proj float" in check_fused(half)
+
+
+@pytest.mark.parametrize("case", [c for c in ARCH_CASES if not c.startswith("deepseek")])
+def test_hf_config_of_the_newer_architectures_round_trips(case):
+    """Qwen3, Gemma 3 (per-layer-type RoPE, query_pre_attn_scalar, soft-capping), Qwen3-MoE, Mixtral."""
+    config = ModelConfig.from_hf(make_arch_model(case).config.to_dict())
+    hf = hf_config(config, "float32")
+    assert ModelConfig.from_hf(hf) == config
+    assert hf["architectures"] == [config.architecture] and hf["model_type"] == config.spec.model_type
+
+
+def test_gemma3_with_a_fractional_query_scalar_is_refused():
+    config = ModelConfig.from_hf(make_arch_model("gemma3").config.to_dict())
+    config.query_pre_attn_scalar = 16.5
+    with pytest.raises(ConfigError, match="query_pre_attn_scalar=16.5"):
+        hf_config(config, "float32")
+
+
+def test_experts_of_a_layer_must_share_one_scheme():
+    int4 = {"format": "int4", "group_size": 32, "zero_point": True}
+    shapes = {"gate_proj": (64, 32), "up_proj": (64, 32), "down_proj": (32, 64)}  # (in, out): the shapes may differ
+    experts = {f"layers.0.mlp.experts.{e}.{p}": dict(int4, in_features=k, padded_in_features=k, out_features=n)
+               for e in range(2) for p, (k, n) in shapes.items()}
+    every = {"layers.0.mlp.experts": sorted(experts)}
+    assert check_experts(experts, every) is None
+    mixed = {**experts, "layers.0.mlp.experts.1.down_proj": dict(int4, group_size=16, out_features=32)}
+    assert "layers.0.mlp.experts: experts of 2 schemes (int4 g16, int4 g32)" in check_experts(mixed)
+    fallback = {k: v for k, v in experts.items() if k != "layers.0.mlp.experts.1.up_proj"}
+    assert check_experts(fallback) is None  # the quantized names alone do not show it
+    assert "1 expert linears kept in float (layers.0.mlp.experts.1.up_proj, ...)" in check_experts(fallback, every)
+    mixtral = {f"layers.2.block_sparse_moe.experts.0.{p}": dict(int4, group_size=g, out_features=32)
+               for p, g in (("w1", 32), ("w3", 32), ("w2", 64))}
+    assert "layers.2.block_sparse_moe.experts: experts of 2 schemes" in check_experts(mixtral)
+
+
+def save_arch(root, case, **overrides):
+    tokenizer = make_byte_tokenizer()
+    path = root / f"ckpt-{case}"
+    make_arch_model(case, vocab_size=len(tokenizer), head_dim=32, num_attention_heads=2, num_key_value_heads=1,
+                    **overrides).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_fp8_experts_are_refused_and_float_experts_export(tmp_path):
+    """vLLM's CPU build has no per-channel FP8 MoE kernel: refused before any work; with the experts
+    kept in float the rest is FP8, and the checkpoint names the experts as HF does, the router float."""
+    checkpoint = save_arch(tmp_path, "mixtral")
+    with pytest.raises(PipelineValidationError) as e:
+        compile_for(checkpoint, {"passes": [{"name": "fp8", "input_shift": False}]}, tmp_path / "refused")
+    assert "fp8 MoE experts" in str(e.value) and "\n" not in str(e.value)
+    pipeline = {"passes": [{"name": "fp8", "input_shift": False, "max_layer_error": 10.0,
+                            "modules_to_not_convert": ["lm_head", "embed_tokens", "experts"]}]}
+    out = lower(compile_for(checkpoint, pipeline, tmp_path / "artifact"), "vllm", tmp_path / "vllm")
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.block_sparse_moe.gate" in q["ignore"]
+    assert "model.layers.0.block_sparse_moe.experts.3.w2" in q["ignore"]
+    tensors = read_tensors(out)
+    assert tensors["model.layers.0.block_sparse_moe.experts.3.w2.weight"].dtype == torch.float32
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_lower_refuses_experts_left_float_beside_quantized_ones(tmp_path):
+    checkpoint = save_arch(tmp_path, "qwen3-moe", moe_intermediate_size=64)
+    pipeline = {"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 64, "zero_point": False,
+                                                            "modules_to_not_convert": ["lm_head", "experts.5"]}]}
+    artifact = compile_for(checkpoint, pipeline, tmp_path / "artifact", target=None)
+    with pytest.raises(ConfigError, match=r"layers.0.mlp.experts: 3 expert linears kept in float \(layers.0.mlp.experts.5"):
+        lower(artifact, "vllm", tmp_path / "vllm")
+
+
+def test_gemma3_in_float16_is_refused(tmp_path):
+    checkpoint = save_arch(tmp_path, "gemma3")
+    artifact = compile_for(checkpoint, {"model": {"dtype": "float16"}}, tmp_path / "artifact", target=None)
+    with pytest.raises(ConfigError, match="vLLM refuses Gemma 3 in float16"):
+        lower(artifact, "vllm", tmp_path / "vllm")
+
+
+@pytest.mark.parametrize("awq, words", [({"group_size": 64}, "zero_point = false"),
+                                        ({"group_size": 32, "zero_point": False}, "use group_size = 64 or 128")])
+def test_int4_experts_vllm_cpu_cannot_run_are_refused_before_any_work(tmp_path, awq, words):
+    checkpoint = save_arch(tmp_path, "qwen3-moe", moe_intermediate_size=64)
+    with pytest.raises(PipelineValidationError) as e:
+        compile_for(checkpoint, {"model": {"dtype": "float16"}, "passes": [{"name": "awq", **awq}]}, tmp_path / "artifact")
+    assert words in str(e.value) and "int4 MoE experts" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "artifact").exists()
+
+
+def test_quantized_dense_mlp_of_qwen3_moe_is_refused(tmp_path):
+    checkpoint = save_arch(tmp_path, "qwen3-moe", moe_intermediate_size=64, mlp_only_layers=[1])
+    pipeline = {"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 64, "zero_point": False}]}
+    artifact = compile_for(checkpoint, pipeline, tmp_path / "artifact", target=None)
+    with pytest.raises(ConfigError, match=r"layers.1.mlp.gate_proj: a quantized MLP in a Qwen3-MoE dense layer"):
+        lower(artifact, "vllm", tmp_path / "vllm")
