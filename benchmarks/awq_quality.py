@@ -1,6 +1,7 @@
-"""AWQ vs round-to-nearest INT4 on SmolLM2-135M: perplexity, quantization time, peak memory.
+"""AWQ vs round-to-nearest INT4 on SmolLM2-135M (or ``--model``): perplexity, quantization time, peak memory.
 
     python benchmarks/awq_quality.py                       # float, RTN and AWQ at g128-fallback, g64, g32
+    python benchmarks/awq_quality.py --model gemma3-270m --groups 128,64   # the second real model
     python benchmarks/awq_quality.py --groups 64 --samples 128 --windows 16
     python benchmarks/awq_quality.py --groups 64 --methods awq --set duo_scaling=all   # any awq option
 
@@ -28,8 +29,8 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_one(method: str, group_size: int, samples: int, windows: int, options: dict) -> dict:
-    """Load SmolLM2, quantize it with ``method`` (float | rtn | awq), evaluate; one JSON row."""
+def run_one(model_name: str, method: str, group_size: int, samples: int, windows: int, options: dict) -> dict:
+    """Load ``model_name`` (a built-in model, a checkpoint path), quantize it with ``method`` (float | rtn | awq), evaluate; one JSON row."""
     import torch
 
     from compiler.formats.int4 import Int4Linear
@@ -38,7 +39,7 @@ def run_one(method: str, group_size: int, samples: int, windows: int, options: d
     from compiler.pipeline.evaluate import evaluate_perplexity
     from passes.awq_plan import AWQOptions, plan_layers
 
-    loaded = load_checkpoint("smollm2")
+    loaded = load_checkpoint(model_name)
     model = loaded.model
     wall, cpu = time.perf_counter(), _cpu_s()
     if method == "rtn":  # same layers and group-size fallback as AWQ, no search
@@ -56,13 +57,14 @@ def run_one(method: str, group_size: int, samples: int, windows: int, options: d
     quant_wall, quant_cpu = time.perf_counter() - wall, _cpu_s() - cpu
     ppl = evaluate_perplexity(loaded, "pydoc", windows)["ppl"]
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"method": method, "group_size": group_size, "ppl": ppl, "quant_wall_s": quant_wall,
+    return {"model": model_name, "method": method, "group_size": group_size, "ppl": ppl, "quant_wall_s": quant_wall,
             "quant_cpu_s": quant_cpu, "peak_rss_mib": peak_mib, "samples": samples, "windows": windows,
             "options": options}
 
 
-def _child(method: str, group_size: int, samples: int, windows: int, sets: list[str]) -> dict:
-    cmd = [sys.executable, __file__, "--one", f"{method}:{group_size}", "--samples", str(samples), "--windows", str(windows)]
+def _child(model_name: str, method: str, group_size: int, samples: int, windows: int, sets: list[str]) -> dict:
+    cmd = [sys.executable, __file__, "--model", model_name, "--one", f"{method}:{group_size}",
+           "--samples", str(samples), "--windows", str(windows)]
     cmd += [a for kv in sets for a in ("--set", kv)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:
@@ -72,6 +74,7 @@ def _child(method: str, group_size: int, samples: int, windows: int, sets: list[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="a built-in model (smollm2, gemma3-270m) or a checkpoint path")
     ap.add_argument("--groups", default="128,64,32", help="group sizes (128 falls back to 64 where it does not divide)")
     ap.add_argument("--methods", default="rtn,awq")
     ap.add_argument("--samples", type=int, default=128)
@@ -83,12 +86,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.one:
         method, g = args.one.split(":")
-        print(json.dumps(run_one(method, int(g), args.samples, args.windows, _options(args.set))))
+        print(json.dumps(run_one(args.model, method, int(g), args.samples, args.windows, _options(args.set))))
         return
     jobs = [("float", 0)] + [(m, int(g)) for g in args.groups.split(",") for m in args.methods.split(",")]
     rows = []
     for method, g in jobs:
-        rows.append(_child(method, g, args.samples, args.windows, args.set))
+        rows.append(_child(args.model, method, g, args.samples, args.windows, args.set))
         print(json.dumps(rows[-1]), flush=True)  # each row as soon as it exists
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

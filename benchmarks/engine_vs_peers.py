@@ -1,7 +1,7 @@
 """qcompile's engine (float, INT4, FP8) against vLLM CPU and llama.cpp on SmolLM2, in one run.
 
     python benchmarks/engine_vs_peers.py --float out/float --int4 out/awq-g128 --fp8 out/fp8 \
-        [--vllm] [--llama-cpp-path /tmp/llama-tools] [--threads 2] [--output-len 128] \
+        [--vllm --vllm-int4 out/awq-g128-fp16 --vllm-fp8 out/fp8-vllm] [--llama-cpp-path /tmp/llama-tools] [--threads 2] [--output-len 128] \
         [--json docs/data/engine_vs_peers.json] [--plot out/engine_vs_peers.png]
 
 Two workloads of issue 23, both greedy with EOS ignored, prompts of ``--prompt-len`` real pydoc
@@ -142,8 +142,10 @@ def runtimes(args) -> list[tuple[str, callable]]:
         out.append(("qcompile FP8", lambda: run_engine(args.fp8, args)))
     if args.vllm:
         out.append(("vLLM CPU float32", lambda: run_vllm(args.float, args)))
-        if args.int4:
-            out.append(("vLLM CPU W4A16", lambda: run_vllm(args.int4, args)))
+        if args.vllm_int4 or args.int4:
+            out.append(("vLLM CPU W4A16", lambda: run_vllm(args.vllm_int4 or args.int4, args)))
+        if args.vllm_fp8 or args.fp8:
+            out.append(("vLLM CPU FP8 W8A8", lambda: run_vllm(args.vllm_fp8 or args.fp8, args)))
     if args.llama_cpp_path:
         out.append(("llama.cpp Q4_1 GGUF", lambda: run_llama_cpp(args)))
     return out
@@ -200,7 +202,10 @@ def main() -> None:
     p.add_argument("--float", type=Path, required=True, help="the float artifact (qcompile compile -c examples/float.toml)")
     p.add_argument("--int4", type=Path, help="an INT4 artifact (examples/awq_g128.toml)")
     p.add_argument("--fp8", type=Path, help="an FP8 artifact (examples/fp8.toml)")
-    p.add_argument("--vllm", action="store_true", help="also vLLM CPU on the float and INT4 artifacts, lowered for it")
+    p.add_argument("--vllm", action="store_true", help="also vLLM CPU on the float, INT4 and FP8 artifacts, lowered for it")
+    # vLLM runs INT4 in float16 only and has no FP8 input shift: artifacts compiled for it
+    p.add_argument("--vllm-int4", type=Path, help="the INT4 artifact vLLM serves (examples/awq_g128_vllm.toml)")
+    p.add_argument("--vllm-fp8", type=Path, help="the FP8 artifact vLLM serves (examples/fp8_vllm.toml)")
     p.add_argument("--llama-cpp-path", type=Path, help="a directory llama_cpp imports from (pip install --target)")
     p.add_argument("--llama-cpp-python", default=sys.executable, help="the python that runs llama.cpp")
     p.add_argument("--threads", type=int, default=2, help="threads of every runtime (vLLM: cores 0..threads-1)")

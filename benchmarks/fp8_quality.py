@@ -1,4 +1,4 @@
-"""Perplexity of FP8 variants of SmolLM2-135M against float, by the shared pydoc protocol.
+"""Perplexity of FP8 variants of SmolLM2-135M (or ``--model``) against float, by the shared pydoc protocol.
 
 Each variant is compiled from the same loaded checkpoint, written as an artifact, reloaded
 (so the figure is the artifact's, FP8 KV rounding included) and evaluated on the first
@@ -9,6 +9,7 @@ variants more steadily than a perplexity change of a few tenths of a percent doe
     python benchmarks/fp8_quality.py --windows 16 --samples 16
     python benchmarks/fp8_quality.py --only w8a8-dynamic kv-e4m3   # a subset
     python benchmarks/fp8_quality.py --split validation --corpora pydoc,stdlib-docs   # to choose on
+    python benchmarks/fp8_quality.py --model gemma3-270m --only w8a8-dynamic          # the second real model
 """
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ def held_out_sets(source, corpora: list[str], split: str, windows: int) -> dict[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", help="a built-in model (smollm2, gemma3-270m) or a checkpoint path")
     ap.add_argument("--windows", type=int, default=16, help="per corpus (stdlib-docs holds 15 per region)")
     ap.add_argument("--samples", type=int, default=16, help="calibration windows of 512 tokens")
     ap.add_argument("--only", nargs="*", choices=list(VARIANTS), help="variants besides float")
@@ -90,7 +92,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args()
     console = Console(width=200)
-    source = load_checkpoint("smollm2")
+    source = load_checkpoint(args.model)
     labels = ["float"] + [v for v in (args.only or VARIANTS) if v != "float"]
     sets = held_out_sets(source, args.corpora.split(","), args.split, args.windows)
     rows = []
@@ -118,11 +120,11 @@ def main() -> None:
             del model
     console.print(results_table(rows, args))
     if args.json:
-        args.json.write_text(json.dumps({"split": args.split, "samples": args.samples, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"model": args.model, "split": args.split, "samples": args.samples, "rows": rows}, indent=1))
 
 
 def results_table(rows: list[dict], args) -> Table:
-    table = Table(title=f"SmolLM2-135M, {args.split} split, windows × 512 tokens, calibration {args.samples} × 512 (pydoc)")
+    table = Table(title=f"{args.model}, {args.split} split, windows × 512 tokens, calibration {args.samples} × 512 (pydoc)")
     for col in ("variant", "corpus", "windows", "perplexity", "Δ vs float", "KL vs float", "top-1", "fp8 layers",
                 "fallback", "bits/weight (fp8 layers)", "weights MiB", "compile s"):
         table.add_column(col, justify="left" if col in ("variant", "corpus") else "right")

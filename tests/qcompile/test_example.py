@@ -36,6 +36,16 @@ def test_shipped_pipelines_validate_on_their_input():
             assert formats == {} and [p["name"] for p in config.passes] == ["distill"]
 
 
+def test_every_shipped_pipeline_validates_on_smollm2():
+    """The pipelines beside the example's (those compiled for vLLM) pass their [target]'s checks too."""
+    folder = example_pipeline("float.toml").parent
+    shipped = sorted(p.name for p in folder.glob("*.toml"))
+    assert {"awq_g128_vllm.toml", "fp8_vllm.toml"} <= set(shipped)
+    for name in shipped:
+        config = PipelineConfig.from_toml(folder / name)
+        assert Pipeline(config).validate(SMOLLM2_LIKE) is not None, name
+
+
 @pytest.fixture(scope="module")
 def tiny_variants(tmp_path_factory, byte_tokenizer):
     """float, AWQ and AWQ + distill on a tiny checkpoint, from pipeline files in a temporary folder
