@@ -20,12 +20,16 @@ through ``llama-cpp-python`` in a child process (it is not installed in qcompile
 not batch, so it has no 16-concurrent figure. Ratios are against qcompile float in the same run,
 and the runtimes run one after another, interleaved per ``--rounds``, so that load from other
 processes falls on all of them: on a shared machine compare the ratios, not the times.
+
+A runtime that fails or runs past ``--runtime-timeout`` gets a row saying so, and the run goes on
+to the next one (qcompile float excepted: every ratio is against it).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -73,7 +77,7 @@ def bench(target: str, concurrency: int, requests: int, args, tokenizer: Path | 
     result = run_benchmark(target, workload, loads, tokenizer=tokenizer)
     metrics = result["runs"][0]["metrics"]
     if metrics["counts"]["output_length_mismatch"]:
-        raise SystemExit(f"{target}: {metrics['counts']['output_length_mismatch']} requests stopped early")
+        raise RuntimeError(f"{target}: {metrics['counts']['output_length_mismatch']} requests stopped early")
     return metrics
 
 
@@ -100,13 +104,14 @@ def vllm_checkpoint(artifact: Path, out_dir: Path) -> Path:
     return ckpt
 
 
-def run_vllm(artifact: Path, args) -> dict:
+def run_vllm(artifact: Path, args, eager: bool = False) -> dict:
     from backends.vllm.runtime import VllmOptions, VllmServer
 
     ckpt = vllm_checkpoint(artifact, args.work_dir)
     # vLLM's CPU wheel pins its OpenMP threads to cores; the same count as torch's and llama.cpp's.
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads == 1 else f"0-{args.threads - 1}"
-    opts = VllmOptions(ckpt, port=VLLM_PORT, served_name="model", max_model_len=args.prompt_len + args.output_len + 64)
+    opts = VllmOptions(ckpt, port=VLLM_PORT, served_name="model", max_model_len=args.prompt_len + args.output_len + 64,
+                       extra_args=["--enforce-eager"] if eager else [])
     with VllmServer(opts, log_path=args.work_dir / f"vllm-{artifact.name}.log") as server:
         target = f"openai://{server.url}/{server.model}"
         m1 = bench(target, 1, args.single_requests, args, tokenizer=artifact)
@@ -126,9 +131,9 @@ def run_llama_cpp(args) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(args.llama_cpp_path)
     done = subprocess.run([args.llama_cpp_python, "-c", LLAMA_CPP_SCRIPT], input=json.dumps(cfg), text=True,
-                          capture_output=True, env=env, timeout=3600)
+                             capture_output=True, env=env)
     if done.returncode:
-        raise SystemExit(f"llama.cpp failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"llama.cpp exited with code {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
     ms = json.loads(done.stdout.strip().splitlines()[-1])["ms_per_token"][1:]  # the first prompt is the warm-up
     return {"ms_per_token_c1": sum(ms) / len(ms), "tok_s_c16": None}
 
@@ -141,14 +146,36 @@ def runtimes(args) -> list[tuple[str, callable]]:
     if args.fp8:
         out.append(("qcompile FP8", lambda: run_engine(args.fp8, args)))
     if args.vllm:
-        out.append(("vLLM CPU float32", lambda: run_vllm(args.float, args)))
-        if args.vllm_int4 or args.int4:
-            out.append(("vLLM CPU W4A16", lambda: run_vllm(args.vllm_int4 or args.int4, args)))
-        if args.vllm_fp8 or args.fp8:
-            out.append(("vLLM CPU FP8 W8A8", lambda: run_vllm(args.vllm_fp8 or args.fp8, args)))
+        variants = [("float", "vLLM CPU float32", args.float), ("int4", "vLLM CPU W4A16", args.vllm_int4 or args.int4),
+                    ("fp8", "vLLM CPU FP8 W8A8", args.vllm_fp8 or args.fp8)]
+        for key, label, artifact in variants:
+            if artifact:
+                eager = key in args.vllm_eager
+                out.append((label + (" (eager)" if eager else ""),
+                            lambda artifact=artifact, eager=eager: run_vllm(artifact, args, eager)))
     if args.llama_cpp_path:
         out.append(("llama.cpp Q4_1 GGUF", lambda: run_llama_cpp(args)))
     return out
+
+
+class RuntimeTimeout(Exception):
+    pass
+
+
+def measure_within(measure, timeout_s: int) -> dict:
+    """``measure()``, or ``{"error": why}`` when it fails or runs past ``timeout_s``."""
+    def expire(*_):
+        raise RuntimeTimeout(f"ran past --runtime-timeout {timeout_s} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(timeout_s)
+    try:
+        return measure()
+    except (Exception, RuntimeTimeout) as e:  # noqa: BLE001 -- one runtime's failure is a row, not the run's end
+        return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:160]}
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def mean(values: list[float | None]) -> float | None:
@@ -157,8 +184,12 @@ def mean(values: list[float | None]) -> float | None:
 
 
 def table_rows(results: dict[str, list[dict]]) -> list[dict]:
-    rows = [{"runtime": label, "ms_per_token_c1": mean([r["ms_per_token_c1"] for r in runs]),
-             "tok_s_c16": mean([r["tok_s_c16"] for r in runs])} for label, runs in results.items()]
+    rows = []
+    for label, runs in results.items():
+        done = [r for r in runs if "error" not in r]
+        rows.append({"runtime": label, "ms_per_token_c1": mean([r["ms_per_token_c1"] for r in done]),
+                     "tok_s_c16": mean([r["tok_s_c16"] for r in done]),
+                     "errors": [r["error"] for r in runs if "error" in r]})
     base = rows[0]
     for row in rows:
         ms, tps = row["ms_per_token_c1"], row["tok_s_c16"]
@@ -178,6 +209,9 @@ def print_table(rows: list[dict], args) -> None:
     for r in rows:
         print(f"| {r['runtime']} | {fmt(r['ms_per_token_c1'], 1)} | {fmt(r['speedup_c1_vs_float'], 2)} | "
               f"{fmt(r['tok_s_c16'], 1)} | {fmt(r['throughput_c16_vs_float'], 2)} |")
+    for r in rows:
+        for error in r["errors"]:
+            print(f"{r['runtime']} failed in a round: {error}")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -206,6 +240,8 @@ def main() -> None:
     # vLLM runs INT4 in float16 only and has no FP8 input shift: artifacts compiled for it
     p.add_argument("--vllm-int4", type=Path, help="the INT4 artifact vLLM serves (examples/awq_g128_vllm.toml)")
     p.add_argument("--vllm-fp8", type=Path, help="the FP8 artifact vLLM serves (examples/fp8_vllm.toml)")
+    p.add_argument("--vllm-eager", type=lambda v: set(v.split(",")), default=set(),
+                   help="vLLM variants (float,int4,fp8) run with --enforce-eager, without torch.compile's warm-up")
     p.add_argument("--llama-cpp-path", type=Path, help="a directory llama_cpp imports from (pip install --target)")
     p.add_argument("--llama-cpp-python", default=sys.executable, help="the python that runs llama.cpp")
     p.add_argument("--threads", type=int, default=2, help="threads of every runtime (vLLM: cores 0..threads-1)")
@@ -213,6 +249,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--single-requests", type=int, default=3, help="requests, one after another, for ms/token")
     p.add_argument("--rounds", type=int, default=1, help="passes over every runtime (figures are their means)")
+    p.add_argument("--runtime-timeout", type=int, default=1800, help="seconds one runtime may take in one round")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/engine_vs_peers"))
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
@@ -224,7 +261,9 @@ def main() -> None:
     for round_ in range(args.rounds):
         for label, measure in plan:
             t = time.time()
-            results[label].append(measure())
+            results[label].append(measure_within(measure, args.runtime_timeout))
+            if label == plan[0][0] and "error" in results[label][-1]:
+                raise SystemExit(f"{label}, the reference of every ratio, failed: {results[label][-1]['error']}")
             print(json.dumps({"round": round_, "runtime": label, **results[label][-1], "wall_s": round(time.time() - t, 1),
                               "load_average": os.getloadavg()}), file=sys.stderr, flush=True)
     rows = table_rows(results)

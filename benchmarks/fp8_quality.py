@@ -70,13 +70,19 @@ def variant_config(options: dict | None, samples: int) -> PipelineConfig:
     return PipelineConfig.from_dict(d)
 
 
-def held_out_sets(source, corpora: list[str], split: str, windows: int) -> dict[str, tuple[torch.Tensor, list]]:
-    """corpus -> (its first ``windows`` windows of ``split``, or all it holds if fewer; the float logits on them)."""
+# Float logits are kept across variants up to this size; above it (Gemma 3's 262k vocabulary: 8.6 GB
+# for 16 windows) the float model runs again beside each variant, one window at a time.
+REFERENCE_CACHE_BYTES = 2 * 2**30
+
+
+def held_out_sets(source, corpora: list[str], split: str, windows: int) -> dict[str, tuple[torch.Tensor, list | None]]:
+    """corpus -> (its first ``windows`` windows of ``split``, or all it holds if fewer; the float logits on them, or None)."""
     sets = {}
     for corpus in corpora:
         region = corpus_split(source.tokenizer, corpus).region(split)
         batch = evaluation_windows(region, min(windows, len(region) // 512), 512)
-        sets[corpus] = batch, teacher_logits(source.model, batch)  # float logits, once
+        cached = batch.numel() * source.model.config.vocab_size * 4 <= REFERENCE_CACHE_BYTES
+        sets[corpus] = batch, teacher_logits(source.model, batch) if cached else None
     return sets
 
 
@@ -108,7 +114,8 @@ def main() -> None:
             fp8 = [layer for layer in summary["layers"] if layer["format"] == "fp8"]
             metrics = result.reports[0].metrics if result.reports else {}
             for corpus, (windows, reference) in sets.items():
-                scores = compare_on_windows(source.model, model, windows, reference=reference)
+                scores = compare_on_windows(source.model, model, windows, reference=reference,
+                                            batch_size=4 if reference is not None else 1)
                 rows.append({"variant": label, "corpus": corpus, "windows": len(windows), "ppl": scores["ppl_student"],
                              "kl": scores["kl"], "top1": scores["top1_agreement"],
                              "mib": summary["size"]["weights_bytes"] / 2**20, "fp8_layers": len(fp8),

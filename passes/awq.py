@@ -109,24 +109,24 @@ class AWQPass(Pass):
     def stream(self, model: torch.nn.Module, context: PassContext) -> "AwqStream":
         return AwqStream(self, model, context)
 
-    @staticmethod
-    def _capture(block, groups: tuple[ScalingGroup, ...], x, cos, sin, positions, sampler: TokenSampler):
-        """Run the float block over every sequence; return its outputs and, per linear of a
-        scaling group, mean |x| and the Gram matrix of the sampled tokens of its input (linears
-        reading one tensor share one set; an expert's are of the tokens routed to it)."""
-        requests = {n: InputRequest(mean_abs=True, gram="sampled") for g in groups for n in g.linears}
-        out, stats = collect_block(block, x, cos, sin, positions, requests, sampler)
-        return out, stats.inputs
 
-    @staticmethod
-    def _capture_on_every_token(block, names: list[str], x, cos, sin, positions, sampler: TokenSampler):
-        """Statistics of the starved experts' ``names``, with every token of the layer routed to them."""
-        requests = {n: InputRequest(mean_abs=True, gram="sampled") for n in names}
-        with every_token_to(block, experts_of(names)):
-            _, stats = collect_block(block, x, cos, sin, positions, requests, sampler)
-        if short := [n for n in names if stats.inputs[n].tokens != x.shape[0] * x.shape[1]]:
-            raise RuntimeError(f"starved experts' linears {short} did not see every token of the layer")
-        return stats.inputs
+def capture(block, groups: tuple[ScalingGroup, ...], x, cos, sin, positions, sampler: TokenSampler):
+    """Run the float block over every sequence; return its outputs and, per linear of a
+    scaling group, mean |x| and the Gram matrix of the sampled tokens of its input (linears
+    reading one tensor share one set; an expert's are of the tokens routed to it)."""
+    requests = {n: InputRequest(mean_abs=True, gram="sampled") for g in groups for n in g.linears}
+    out, stats = collect_block(block, x, cos, sin, positions, requests, sampler)
+    return out, stats.inputs
+
+
+def capture_on_every_token(block, names: list[str], x, cos, sin, positions, sampler: TokenSampler):
+    """Statistics of the starved experts' ``names``, with every token of the layer routed to them."""
+    requests = {n: InputRequest(mean_abs=True, gram="sampled") for n in names}
+    with every_token_to(block, experts_of(names)):
+        _, stats = collect_block(block, x, cos, sin, positions, requests, sampler)
+    if short := [n for n in names if stats.inputs[n].tokens != x.shape[0] * x.shape[1]]:
+        raise RuntimeError(f"starved experts' linears {short} did not see every token of the layer")
+    return stats.inputs
 
 
 class AwqStream(BlockStream):
@@ -155,11 +155,11 @@ class AwqStream(BlockStream):
         groups = layer_groups(self.model.config, index)
         sample = (self.x[:k], self.cos[:k], self.sin[:k], self.positions[:k])  # the block's float inputs, for module scoring
         block_inputs = self.x
-        self.x, stats = AWQPass._capture(block, groups, self.x, *rope, self.sampler)
+        self.x, stats = capture(block, groups, self.x, *rope, self.sampler)
         worker = BlockQuantizer(self.model, f"layers.{index}.", self.plans, self.opts, self.target, groups)
         worker.count_experts(stats, self.windows.numel())
         if worker.starved and self.opts.starved_experts == "all_tokens":
-            stats |= AWQPass._capture_on_every_token(block, worker.starved, block_inputs, *rope, self.sampler)
+            stats |= capture_on_every_token(block, worker.starved, block_inputs, *rope, self.sampler)
         self.starved += sum(len(experts) for experts in experts_of(worker.starved).values())
         self.report.layers += worker.run(stats, sample)
 

@@ -22,9 +22,9 @@ def compare_on_windows(teacher, student, windows: torch.Tensor, batch_size: int 
     """Mean per-token KL(teacher ‖ student) at T=1, top-1 agreement and both perplexities on ``windows`` [N, T].
 
     KL and agreement count every position; perplexities predict tokens 1..T-1 (the calib protocol).
-    A non-finite result is an error, never a number. ``reference``: the teacher's logits from ``teacher_logits``.
+    A non-finite result is an error, never a number. ``reference``: the teacher's logits from ``teacher_logits``
+    (with the same ``batch_size``); without it the teacher runs batch by batch beside the student.
     """
-    reference = reference if reference is not None else teacher_logits(teacher, windows, batch_size)
     was_training = student.training
     student.eval()
     device = next(student.parameters()).device
@@ -34,7 +34,8 @@ def compare_on_windows(teacher, student, windows: torch.Tensor, batch_size: int 
     try:
         for i, start in enumerate(range(0, len(windows), batch_size)):
             batch = windows[start:start + batch_size].to(device)
-            t, s = reference[i], student(batch).float()
+            t = reference[i] if reference is not None else teacher(batch).float()
+            s = student(batch).float()
             kl_sum += kl_per_token(t, s).sum().item()
             agree += (t.argmax(-1) == s.argmax(-1)).sum().item()
             positions += batch.numel()

@@ -28,7 +28,7 @@ from compiler.quant.int4 import (
     pad_columns,
     quantize,
 )
-from passes.awq import AWQPass, BlockQuantizer
+from passes.awq import BlockQuantizer, capture
 from passes.awq_mappings import expand_columns, fold_scales, layer_groups
 from passes.awq_plan import AWQOptions, plan_layers
 from passes.awq_search import candidate_scales, fast_fake_quantize, weight_mean
@@ -67,7 +67,6 @@ def _capture_all(model, tokenizer, opts: AWQOptions):
     from calib import CalibrationConfig
     from compiler.pipeline import PassContext
 
-    p = AWQPass(opts)
     ctx = PassContext(tokenizer=tokenizer, calibration=CalibrationConfig(samples=4, seq_len=64))
     windows = ctx.calibration_windows()
     positions = torch.arange(windows.shape[1]).expand(opts.batch_size, -1)
@@ -77,8 +76,8 @@ def _capture_all(model, tokenizer, opts: AWQOptions):
         out = []
         for i, block in enumerate(model.layers):
             sample = (x[:2], cos[:2], sin[:2], positions[:2])
-            x, stats = p._capture(block, layer_groups(model.config, i), x, cos, sin, positions,
-                                  TokenSampler(opts.search_tokens, windows.numel(), torch.Generator().manual_seed(0)))
+            x, stats = capture(block, layer_groups(model.config, i), x, cos, sin, positions,
+                               TokenSampler(opts.search_tokens, windows.numel(), torch.Generator().manual_seed(0)))
             out.append((f"layers.{i}.", stats, sample))
     return out
 

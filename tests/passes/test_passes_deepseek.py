@@ -22,7 +22,7 @@ from compiler.model.deepseek_moe import GroupedTopkRouter
 from compiler.pipeline import PassContext, Pipeline, PipelineConfig
 from compiler.pipeline.calibration import TokenSampler
 from compiler.pipeline.compile import compile_loaded
-from passes.awq import AWQPass, BlockQuantizer
+from passes.awq import BlockQuantizer, capture
 from passes.awq_mappings import expand_columns, fold_scales, layer_groups
 from passes.awq_plan import AWQOptions, plan_layers
 from serving.engine import Engine
@@ -69,7 +69,7 @@ def test_awq_folds_leave_the_float_model_unchanged(case, tmp_path, byte_tokenize
         sample = (x[:2], cos[:2], sin[:2], positions[:2])
         sampler = TokenSampler(opts.search_tokens, windows.numel(), torch.Generator().manual_seed(0))
         groups = layer_groups(model.config, i)
-        x, stats = AWQPass._capture(block, groups, x, cos, sin, positions, sampler)
+        x, stats = capture(block, groups, x, cos, sin, positions, sampler)
         worker = BlockQuantizer(model, f"layers.{i}.", plans, opts, None, groups)
         worker.inspected = worker._inspect_modules(sample)
         rows, _ = worker.search_and_fold(stats)
