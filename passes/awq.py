@@ -25,6 +25,10 @@ comes (``AwqStream`` serves both):
    same Gram matrix (``weight_rounding = "gptq"``, the default; "nearest" is plain AWQ). A layer
    whose relative output error exceeds ``max_layer_error`` is retried with smaller groups.
 
+``lm_head`` stays in float by default (``modules_to_not_convert``). Let through, it is the last
+scaling group (final norm → lm_head) on the last block's outputs, after every block; a head tied
+to the embedding is untied first (the embedding keeps its float rows for the lookup).
+
 MoE layers: each expert's statistics are of the tokens routed to it, its report rows give their
 number (``expert_tokens``), a starved expert gets ``starved_experts``' policy
 (``passes/moe_calibration.py``), and the router stays in float (its columns take the norm's scale).
@@ -129,6 +133,10 @@ def capture_on_every_token(block, names: list[str], x, cos, sin, positions, samp
     return stats.inputs
 
 
+# The model's head as a scaling group: only lm_head reads the final norm's output.
+HEAD_GROUP = ScalingGroup("norm", ("lm_head",))
+
+
 class AwqStream(BlockStream):
     """The pass over one block at a time: the calibration inputs flow from block to block."""
 
@@ -163,8 +171,22 @@ class AwqStream(BlockStream):
         self.starved += sum(len(experts) for experts in experts_of(worker.starved).values())
         self.report.layers += worker.run(stats, sample)
 
+    @torch.no_grad()
+    def quantize_head(self) -> None:
+        """Steps 1-5 for the final norm → lm_head group, on the last block's outputs."""
+        model, head = self.model, HEAD_GROUP.linears[0]
+        if model.config.tie_embeddings:
+            model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.detach().clone(), requires_grad=False)
+        stats = InputStatistics(InputRequest(mean_abs=True, gram="sampled"), model.config.dim)
+        for chunk in self.x.split(self.positions.shape[0]):
+            stats.add(model.norm(chunk), self.sampler.draw(chunk.shape[0] * chunk.shape[1]))
+        worker = BlockQuantizer(model, "", {head: self.plans[head]}, self.opts, self.target, (HEAD_GROUP,))
+        self.report.layers += worker.run({head: stats}, None)
+
     def finish(self) -> PassReport:
         opts, report = self.opts, self.report
+        if HEAD_GROUP.linears[0] in self.plans:
+            self.quantize_head()
         self.x = None  # the last block's outputs: nothing reads them
         report.metrics = _metrics(report.layers, self.windows, opts)
         if self.model.config.spec.is_moe:
@@ -265,9 +287,9 @@ class BlockQuantizer:
                                         self.opts.starved_experts)
 
     def _inspect_modules(self, sample: tuple) -> dict[str, tuple[tuple, torch.Tensor]]:
-        """Float (args, output) of each group's ``inspect`` module on the sample sequences."""
+        """Float (args, output) of each group's ``inspect`` module on the sample sequences (None: no sample)."""
         names = {g.inspect for g in self.groups if g.inspect}
-        if self.opts.module_candidates < 2 or sample[0].shape[0] == 0:
+        if not names or self.opts.module_candidates < 2 or sample[0].shape[0] == 0:
             return {}
         seen, hooks = {}, []
         for name in names:

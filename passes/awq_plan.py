@@ -37,7 +37,7 @@ class AWQOptions:
     search_tokens = 8192          # tokens per block the searches' Gram matrices are built on
     weight_rounding = "gptq"      # GPTQ's error-compensating rounding on AWQ's scales and clip ("nearest": RTN)
     gptq_damp = 0.01              # GPTQ's dampening, a fraction of the Hessian's mean diagonal
-    modules_to_not_convert = ["lm_head"]  # kept in float: globs over names or dotted parts (compiler/pipeline/selection.py)
+    modules_to_not_convert = ["lm_head"]  # kept in float: globs over names or dotted parts (compiler/pipeline/selection.py); [] quantizes lm_head too
     min_expert_tokens = 32        # MoE: an expert routed fewer calibration tokens than this is "starved"
     starved_experts = "all_tokens"  # calibrate a starved expert on every token of its layer, or "rtn": round-to-nearest
 

@@ -24,6 +24,7 @@ import torch
 from compiler.deploy.serving_plan import ServingPlan
 from compiler.errors import ConfigError
 from compiler.io.types import LoadedModel
+from compiler.model.fusion import fuse_projections
 from serving.engine_setup import build_kv_cache
 from serving.kv_manager import KVCacheManager
 from serving.paged_cache import BatchMetadata, PagedKVCache, PrefillSeq
@@ -41,6 +42,8 @@ class Engine:
         self.plan = plan or ServingPlan()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = model.to(self.device).eval()
+        # {"fused": [attention / MLP modules], why-not: [modules]}: fusion changes the model in place
+        self.fusion = fuse_projections(self.model) if self.plan.fuse_projections else {}
         self.tokenizer = tokenizer
         self.config = model.config
         self.cache: PagedKVCache = build_kv_cache(model, self.plan, self.device, kv_cache_manifest)

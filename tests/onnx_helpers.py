@@ -14,13 +14,15 @@ from compiler.io.load import load_checkpoint
 from compiler.io.types import SourceInfo
 
 
-def make_artifact(tmp_path: Path, arch: str = "llama", int4_group: int | None = None, tokenizer=None, **overrides) -> Path:
-    """Save a tiny random model as an artifact; INT4 (RTN, every linear but lm_head) when ``int4_group``."""
+def make_artifact(tmp_path: Path, arch: str = "llama", int4_group: int | None = None, tokenizer=None,
+                  int4_head: bool = False, **overrides) -> Path:
+    """Save a tiny random model as an artifact; INT4 (RTN, every linear but lm_head unless ``int4_head``)
+    when ``int4_group``."""
     hf_dir = tmp_path / f"hf-{arch}"
     make_hf_model(arch, **overrides).save_pretrained(hf_dir)
     loaded = load_checkpoint(hf_dir, with_tokenizer=False)
     for name, linear in linear_modules(loaded.model).items():
-        if int4_group and name != "lm_head":
+        if int4_group and (name != "lm_head" or int4_head):
             loaded.model.set_submodule(name, Int4Linear.from_float(linear, int4_group))
     out = tmp_path / f"artifact-{arch}-{int4_group or 'float'}"
     source = SourceInfo(str(hf_dir), "hf", "0" * 64)

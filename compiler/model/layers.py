@@ -147,14 +147,27 @@ class Attention(nn.Module):
         # Optional (k, v) -> (k, v) rounding of an FP8 KV cache (compiler.formats.fp8_kv): applied here,
         # before any cache, so cache-less evaluation sees the K/V a quantized cache would hold.
         self.kv_quant: nn.Module | None = None
+        self.qkv_proj: nn.Module | None = None  # q, k and v side by side once the engine fuses them (fusion.py)
+
+    def fuse_qkv(self, qkv_proj: nn.Module) -> None:
+        """Replace q/k/v_proj by one module whose output is their outputs concatenated."""
+        self.qkv_split = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+        del self.q_proj, self.k_proj, self.v_proj
+        self.qkv_proj = qkv_proj
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x).split(self.qkv_split, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x, cos, sin, positions, cache: KVCache | None):
         """x: [B, T, dim]; cos/sin: [B, R, T, D] (``rope_tables``); positions: [B, T]."""
         B, T, _ = x.shape
         hd = self.config.head_dim
-        q = self.q_proj(x).view(B, T, -1, hd).transpose(1, 2)  # [B, Hq, T, D]
-        k = self.k_proj(x).view(B, T, -1, hd).transpose(1, 2)  # [B, Hkv, T, D]
-        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        q, k, v = self.project_qkv(x)
+        q = q.view(B, T, -1, hd).transpose(1, 2)  # [B, Hq, T, D]
+        k = k.view(B, T, -1, hd).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(B, T, -1, hd).transpose(1, 2)
         if self.config.spec.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         r = self.rope_index
@@ -186,6 +199,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.dim, width, bias=b)
         self.down_proj = nn.Linear(width, config.dim, bias=b)
         self.act = ACTIVATIONS[config.spec.activation]
+        self.gate_up_proj: nn.Module | None = None  # gate and up side by side once the engine fuses them (fusion.py)
+
+    def fuse_gate_up(self, gate_up_proj: nn.Module) -> None:
+        """Replace gate/up_proj by one module whose output is [gate(x), up(x)]."""
+        del self.gate_proj, self.up_proj
+        self.gate_up_proj = gate_up_proj
 
     def forward(self, x):
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -13,7 +13,7 @@ import torch
 import passes  # noqa: F401  (registers awq)
 from compiler.deploy.targets import TARGETS, TargetSpec, register_target
 from compiler.errors import ConfigError, PipelineValidationError
-from compiler.formats.int4 import pack_int4, pack_zeros, unpack_int4, unpack_zeros
+from compiler.formats.int4 import Int4Linear, pack_int4, pack_zeros, unpack_int4, unpack_zeros
 from compiler.io.artifact import load_artifact
 from compiler.io.load import load_checkpoint
 from compiler.io.summary import artifact_summary
@@ -38,6 +38,14 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 SMOLLM2_LIKE = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, dim=576, n_layers=2, n_heads=9,
                            n_kv_heads=3, intermediate_size=1536)
+
+
+def text_ids(tokenizer, rows: int, length: int) -> torch.Tensor:
+    """[rows, length] token ids of pydoc text from the end of the corpus (calibration reads its start)."""
+    from calib import load_corpus_text
+
+    ids = tokenizer(load_corpus_text("pydoc")[-20_000:])["input_ids"][: rows * length]
+    return torch.tensor(ids).view(rows, length)
 
 
 def pipeline_config(calibration=None, target=None, **awq) -> PipelineConfig:
@@ -211,6 +219,33 @@ def test_awq_artifact_reloads_with_same_logits(tiny_checkpoint_with_tokenizer, t
         expected = 4 + 8 * (4 * n_blocks + (n_blocks + 1) // 2) / layer["in_features"]
         assert layer["bits_per_weight"] == pytest.approx(expected, abs=1e-3)
         assert 4.25 <= layer["bits_per_weight"] <= 4.32
+
+
+HEAD_CALIBRATION = {"samples": 32, "seq_len": 64}  # 2048 tokens: GPTQ's fit of a 128-wide head generalises
+
+
+@pytest.mark.parametrize("streaming", ["off", "on"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_lm_head_let_through_is_quantized_last_and_reloads(tiny_checkpoint_with_tokenizer, tmp_path, tie, streaming):
+    path, _ = tiny_checkpoint_with_tokenizer("llama", tie_word_embeddings=tie, **TINY)
+    float_model = load_checkpoint(path).model
+    body_only = compile_model(path, pipeline_config(HEAD_CALIBRATION, group_size=32), tmp_path / "body").loaded.model
+    result = compile_model(path, pipeline_config(HEAD_CALIBRATION, group_size=32, modules_to_not_convert=[]), tmp_path / "awq",
+                           streaming=streaming)
+    head = result.reports[0].layers[-1]
+    assert (head.module, head.format, head.metrics["scale_group"]) == ("lm_head", "int4", "norm → lm_head")
+    assert head.metrics["rel_error_awq"] < head.metrics["rel_error_rtn"]
+    reloaded = load_artifact(tmp_path / "awq")
+    model = reloaded.model
+    assert reloaded.manifest["modules"]["lm_head"]["format"] == "int4"
+    assert torch.equal(model.embed_tokens.weight, float_model.embed_tokens.weight)  # the lookup keeps float rows
+    ids = text_ids(reloaded.tokenizer, 2, 64)
+    with torch.no_grad():
+        want, got = body_only(ids), model(ids)
+        body_only.lm_head = Int4Linear.from_float(body_only.lm_head, 32)  # the same head by round-to-nearest
+        rtn = body_only(ids)
+    err, err_rtn = (((y - want).norm() / want.norm()).item() for y in (got, rtn))  # what the head's quantization adds
+    assert torch.isfinite(got).all() and 0 < err < err_rtn, f"relative logit error {err:.3f}, RTN {err_rtn:.3f}"
 
 
 def test_max_layer_error_retries_smaller_groups_within_target(tiny_checkpoint_with_tokenizer, tmp_path):

@@ -105,6 +105,19 @@ def test_decode_steps_match_torch_cache(lowered):
             assert rel_error(runner.decode(ids[:, t:t + 1].numpy()), ref.numpy()) < 1e-4
 
 
+def test_int4_head_tied_or_not_is_matmulnbits_and_matches_torch(tmp_path):
+    for tie in (True, False):
+        loaded = load_artifact(make_artifact(tmp_path / str(tie), "llama", 32, int4_head=True, tie_word_embeddings=tie))
+        out = tmp_path / f"onnx-{tie}"
+        export_onnx(loaded, out, OnnxExportOptions(max_len=MAX_LEN, accuracy_level=0))
+        graph = onnx.load(str(out / PREFILL_FILE), load_external_data=False).graph
+        assert [n.op_type for n in graph.node if n.name.startswith("lm_head/")] == ["MatMulNBits"]
+        ids = torch.randint(0, loaded.model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            ref = loaded.model(ids).numpy()
+        assert rel_error(OnnxRunner(out, threads=1).prefill(ids.numpy()), ref) < 1e-4
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_default_int8_accuracy_level_is_recorded_and_bounded(tmp_path, arch):
     """MatMulNBits at the default accuracy_level 4 quantizes each block of activations to int8:

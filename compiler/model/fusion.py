@@ -1,0 +1,77 @@
+"""Serving-time fusion of the projections that read one input: q/k/v, and gate/up.
+
+At one decode token the small projections cost more in dispatch than in arithmetic (SmolLM2's
+k_proj is 576 -> 192), so one matmul of N = Nq + Nk + Nv replaces three, and one of 2 x width
+replaces gate and up — as vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` do. The
+outputs are the same numbers (each output row is still one dot product over the same weights).
+
+Only the engine fuses (``ServingPlan.fuse_projections``): artifacts, exports and passes keep
+Hugging Face's modules, one per projection. A set is fused when its members are all
+``nn.Linear`` or all ``Int4Linear`` with one layout (group size, zero point, width, dtype, bias);
+anything else stays as it is, and ``fuse_projections`` says why.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from compiler.formats.int4 import Int4Linear
+from compiler.model.layers import MLP, Attention
+
+ATTENTION_SET = ("q_proj", "k_proj", "v_proj")
+MLP_SET = ("gate_proj", "up_proj")
+
+
+def _layout(m: nn.Module) -> tuple | None:
+    """What must agree for modules to be concatenated along their outputs, or None if the type never is."""
+    has_bias = m.bias is not None
+    if type(m) is nn.Linear:
+        return ("float", m.in_features, m.weight.dtype, m.weight.device, has_bias)
+    if type(m) is Int4Linear:
+        return ("int4", m.in_features, m.group_size, m.zero_point, m.n_blocks, m.scales.dtype, m.scales.device, has_bias)
+    return None
+
+
+def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if parts[0] is None else torch.cat(parts)
+
+
+def concat_linears(modules: list[nn.Module]) -> tuple[nn.Module | None, str | None]:
+    """(one module computing every member's output side by side, None) or (None, why not)."""
+    layouts = [_layout(m) for m in modules]
+    if any(layout is None for layout in layouts):
+        kinds = sorted({type(m).__name__ for m, layout in zip(modules, layouts) if layout is None})
+        return None, f"{', '.join(kinds)} projections are not fused"
+    if len(set(layouts)) > 1:
+        return None, "its projections differ in format or layout"
+    first = modules[0]
+    if layouts[0][0] == "float":
+        fused = nn.Linear(first.in_features, sum(m.out_features for m in modules), bias=first.bias is not None,
+                          device="meta")
+        fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in modules]), requires_grad=False)
+        if first.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in modules]), requires_grad=False)
+        return fused, None
+    return Int4Linear(first.in_features, sum(m.out_features for m in modules), first.group_size, first.zero_point,
+                      torch.cat([m.qweight for m in modules]), torch.cat([m.scales for m in modules]),
+                      torch.cat([m.qzeros for m in modules]), _cat([m.bias for m in modules])), None
+
+
+@torch.no_grad()
+def fuse_projections(model: nn.Module) -> dict[str, list[str]]:
+    """Fuse every dense attention's q/k/v and every gated MLP's gate/up in place (the originals are
+    removed, so no weight is held twice). Returns {"fused": [module names], reason: [module names]}."""
+    outcome: dict[str, list[str]] = {"fused": []}
+    for name, module in model.named_modules():
+        if isinstance(module, Attention) and module.qkv_proj is None:
+            fused, why = concat_linears([getattr(module, p) for p in ATTENTION_SET])
+            if fused is not None:
+                module.fuse_qkv(fused)
+        elif isinstance(module, MLP) and module.gate_up_proj is None:
+            fused, why = concat_linears([module.gate_proj, module.up_proj])
+            if fused is not None:
+                module.fuse_gate_up(fused)
+        else:
+            continue
+        outcome.setdefault("fused" if fused is not None else why, []).append(name)
+    return outcome
