@@ -159,10 +159,11 @@ def run_llama_cpp(args) -> dict:
 
 def onnx_bundle(artifact: Path, args) -> Path:
     """``qcompile lower ARTIFACT --target onnx`` once per artifact (MatMulNBits at the default accuracy level)."""
-    bundle = args.work_dir / f"onnx-{artifact.name}"
+    max_len = args.prompt_len + args.output_len + 64
+    bundle = args.work_dir / f"onnx-{artifact.name}-len{max_len}"  # the KV-cache length is the graph's
     if not any(bundle.glob("*.onnx")):
         subprocess.run([sys.executable, "-m", "qcompile", "lower", str(artifact), "--target", "onnx", "-o", str(bundle),
-                        "--max-len", str(args.prompt_len + args.output_len + 64)], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                        "--max-len", str(max_len)], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     return bundle
 
 
