@@ -178,4 +178,10 @@ def awq_working_memory(config: ModelConfig, calibration, options: AWQOptions, dt
     qkv_rows = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
     widest_group = max(qkv_rows * config.dim, 2 * config.intermediate_size * config.dim)
     terms = activation_terms(config, calibration.samples, calibration.seq_len, options.batch_size, dtype_bytes)
+    if excluded_by("lm_head", options.modules_to_not_convert) is None:
+        # the head is the last scaling group; with a large vocabulary (Gemma 3: 262k x 640) the widest
+        head = config.vocab_size * config.dim
+        widest_group = max(widest_group, head)
+        if config.tie_embeddings:  # the quantized head is an untied copy of the embedding
+            terms["untied lm_head"] = head * dtype_bytes
     return {**terms, "Gram / Hessian matrices": grams, "scale and clip search": 4 * widest_group * 4}

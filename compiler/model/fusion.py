@@ -7,14 +7,20 @@ outputs are the same numbers (each output row is still one dot product over the 
 
 Only the engine fuses (``ServingPlan.fuse_projections``): artifacts, exports and passes keep
 Hugging Face's modules, one per projection. A set is fused when its members are all
-``nn.Linear`` or all ``Int4Linear`` with one layout (group size, zero point, width, dtype, bias);
-anything else stays as it is, and ``fuse_projections`` says why.
+``nn.Linear``, all ``Int4Linear`` with one layout (group size, zero point, width, dtype, bias), or
+all ``Fp8Linear`` that quantize their (shared) input the same way — one activation scheme, and the
+same input scale, input shift and outlier channels, as the fp8 pass calibrates them on the same
+input; their weight codes are kept and per-tensor weight scales become the rows' per-channel ones.
+Anything else stays as it is, and ``fuse_projections`` says why.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
 
+from compiler.formats.fp8 import Fp8Linear
 from compiler.formats.int4 import Int4Linear
 from compiler.model.layers import MLP, Attention
 
@@ -29,7 +35,38 @@ def _layout(m: nn.Module) -> tuple | None:
         return ("float", m.in_features, m.weight.dtype, m.weight.device, has_bias)
     if type(m) is Int4Linear:
         return ("int4", m.in_features, m.group_size, m.zero_point, m.n_blocks, m.scales.dtype, m.scales.device, has_bias)
+    if type(m) is Fp8Linear:
+        # granularity and out_features may differ: the fused rows keep their own scales
+        fmt = {k: v for k, v in m.format.to_dict().items() if k not in ("out_features", "granularity")}
+        return ("fp8", tuple(sorted(fmt.items())), m.weight.device, has_bias, None if m.bias is None else m.bias.dtype,
+                None if m.outlier_weight is None else m.outlier_weight.dtype)
     return None
+
+
+def _same_input_quantization(modules: list[Fp8Linear]) -> bool:
+    """Whether the members' calibrated input buffers agree, so quantizing the input once serves all."""
+    first = modules[0]
+    return all(a is None and b is None or a is not None and b is not None and torch.equal(a, b)
+               for m in modules[1:] for a, b in ((first.input_scale, m.input_scale),
+                                                 (first.input_shift, m.input_shift),
+                                                 (first.outlier_index, m.outlier_index)))
+
+
+def concat_fp8(modules: list[Fp8Linear]) -> Fp8Linear:
+    """One Fp8Linear whose rows are the members' rows: codes as they are, one scale per row."""
+    first = modules[0]
+    fmt = replace(first.format, out_features=sum(m.out_features for m in modules), granularity="per_channel")
+    dtype = next((t.dtype for t in (first.bias, first.outlier_weight) if t is not None), torch.float32)
+    fused = Fp8Linear(fmt, first.bias is not None, dtype).to(first.weight.device)
+    fused.weight.copy_(torch.cat([m.weight for m in modules]))
+    fused.weight_scale.copy_(torch.cat([m.weight_scale.expand(m.out_features) for m in modules]))
+    for name in ("input_scale", "input_shift", "outlier_index"):
+        if getattr(first, name) is not None:
+            getattr(fused, name).copy_(getattr(first, name))
+    for name in ("bias", "outlier_weight"):
+        if getattr(first, name) is not None:
+            getattr(fused, name).copy_(torch.cat([getattr(m, name) for m in modules]))
+    return fused
 
 
 def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -45,6 +82,10 @@ def concat_linears(modules: list[nn.Module]) -> tuple[nn.Module | None, str | No
     if len(set(layouts)) > 1:
         return None, "its projections differ in format or layout"
     first = modules[0]
+    if layouts[0][0] == "fp8":
+        if not _same_input_quantization(modules):
+            return None, "its fp8 projections quantize their input differently"
+        return concat_fp8(modules), None
     if layouts[0][0] == "float":
         fused = nn.Linear(first.in_features, sum(m.out_features for m in modules), bias=first.bias is not None,
                           device="meta")

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from compiler.formats.fp8 import Fp8Format, Fp8Linear
 from compiler.formats.int4 import Int4Linear
 from compiler.io.load import load_checkpoint
 from compiler.kernels.int4_cpu import KERNEL, reference_only
@@ -66,6 +67,56 @@ def test_fused_int4_model_matches_unfused_on_the_kernel_and_the_reference(tiny_c
         assert err < 1e-6, f"reference path: relative error {err:.2e}"
     err = relative_error(logits_of(fused, ids), logits_of(model, ids))  # torch's int4 kernel, bfloat16 inside
     assert err < 1e-2, f"kernel path: relative error {err:.2e}"
+
+
+def fp8_projections(model: nn.Module, per_tensor=("k_proj",), **behaviour) -> None:
+    """Every q/k/v and gate/up to FP8 (``per_tensor`` ones with one weight scale), each set's members
+    sharing the calibrated input buffers the fp8 pass would give them (one input, one statistic)."""
+    torch.manual_seed(1)
+    for layer in model.layers:
+        for parent, names in ((layer.self_attn, PROJECTIONS[:3]), (layer.mlp, PROJECTIONS[3:])):
+            k = getattr(parent, names[0]).in_features
+            shift = torch.randn(k) * 0.1 if behaviour.get("input_shift") else None
+            outliers = torch.randperm(k)[: behaviour.get("outlier_channels", 0)] if behaviour.get("outlier_channels") else None
+            for n in names:
+                linear = getattr(parent, n)
+                fmt = Fp8Format.for_linear(linear, granularity="per_tensor" if n in per_tensor else "per_channel",
+                                           **behaviour)
+                setattr(parent, n, Fp8Linear.from_linear(linear, fmt, input_scale=0.05 if fmt.static else None,
+                                                         input_shift=shift, outliers=outliers))
+
+
+@pytest.mark.parametrize("behaviour", [{}, {"input_shift": True, "outlier_channels": 4},
+                                       {"activation_scheme": "static"}, {"activation_scheme": "none"},
+                                       {"activation_group_size": 32}])
+@pytest.mark.parametrize("float_weight", ["1", "0"])  # the CPU's float copy, and the FP8 GEMM on the codes
+def test_fused_fp8_model_matches_unfused(tiny_checkpoint, monkeypatch, behaviour, float_weight):
+    monkeypatch.setenv("QCOMPILE_FP8_CPU_FLOAT_WEIGHT", float_weight)
+    model = load_checkpoint(tiny_checkpoint("qwen2")[0]).model  # q/k/v with biases
+    fp8_projections(model, **behaviour)
+    fused = copy.deepcopy(model)
+    assert fuse_projections(fused) == {"fused": [f"layers.{i}.{m}" for i in range(2) for m in ("self_attn", "mlp")]}
+    qkv = fused.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Fp8Linear) and qkv.out_features == 128 and qkv.format.granularity == "per_channel"
+    members = [getattr(model.layers[0].self_attn, n) for n in PROJECTIONS[:3]]
+    assert torch.equal(qkv.weight.view(torch.uint8), torch.cat([m.weight for m in members]).view(torch.uint8))
+    assert torch.equal(qkv.dequantized_weight(), torch.cat([m.dequantized_weight() for m in members]))
+    ids = torch.randint(0, 128, (2, 11))
+    err = relative_error(logits_of(fused, ids), logits_of(model, ids))
+    assert err < 1e-6, f"relative error {err:.2e}"
+
+
+def test_fp8_sets_with_different_input_quantization_stay_unfused(tiny_checkpoint):
+    model = load_checkpoint(tiny_checkpoint("llama")[0]).model
+    fp8_projections(model, input_shift=True)
+    k = model.layers[1].self_attn.k_proj
+    k.input_shift.add_(0.5)  # no longer the shift q and v subtract
+    model.layers[0].mlp.up_proj = Fp8Linear.from_linear(nn.Linear(64, 96, bias=False))  # no shift: another format
+    want = logits_of(model, ids := torch.randint(0, 128, (1, 9)))
+    assert fuse_projections(model) == {"fused": ["layers.0.self_attn", "layers.1.mlp"],
+                                       "its projections differ in format or layout": ["layers.0.mlp"],
+                                       "its fp8 projections quantize their input differently": ["layers.1.self_attn"]}
+    assert relative_error(logits_of(model, ids), want) < 1e-6
 
 
 def test_sets_that_differ_stay_unfused_and_say_why(tiny_checkpoint):

@@ -157,6 +157,21 @@ def test_auto_streams_when_only_the_streamed_plan_fits(tiny_checkpoint_with_toke
         compile_model(src, pipeline("awq"), tmp_path / "off", streaming="off", memory_limit=limit)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_plan_counts_a_quantized_lm_head(tiny_checkpoint_with_tokenizer, tied):
+    # a vocabulary wide enough that the head (1024 x 64) is AWQ's widest scaling group
+    src, _ = tiny_checkpoint_with_tokenizer("llama", **TINY, vocab_size=1024, tie_word_embeddings=tied)
+    config = hf_config(src)
+
+    def awq_terms(**options):
+        p = Pipeline(PipelineConfig.from_dict({"calibration": CALIB, "passes": [{**PIPELINES["awq"][0], **options}]}))
+        return plan_memory(p.passes, config, p.config.calibration, torch.float32, streamed=True).passes["awq"]
+
+    float_head, int4_head = awq_terms(), awq_terms(modules_to_not_convert=[])
+    assert float_head["scale and clip search"] < int4_head["scale and clip search"] == 4 * 1024 * 64 * 4
+    assert int4_head.get("untied lm_head") == (1024 * 64 * 4 if tied else None) and "untied lm_head" not in float_head
+
+
 def test_what_cannot_stream_says_why(tiny_checkpoint_with_tokenizer, tmp_path):
     src, _ = tiny_checkpoint_with_tokenizer("llama", **TINY)
     distill = PipelineConfig.from_dict({"passes": [{"name": "distill", "steps": 1}]})
