@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from compiler.model.kv_cache import attention_mask
+from compiler.quant.fp8 import to_float32
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -28,7 +29,7 @@ def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | Non
     """Stored [..., Hkv, D] -> compute dtype."""
     if scale is None:
         return x.to(dtype)
-    return (x.float() * scale).to(dtype)
+    return (to_float32(x) * scale).to(dtype)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -31,6 +31,8 @@ import os
 
 import torch
 
+from compiler.quant.fp8 import to_float32
+
 FLOAT_WEIGHT_SWITCH = "QCOMPILE_FP8_CPU_FLOAT_WEIGHT"
 
 
@@ -42,7 +44,7 @@ def float_weight_enabled() -> bool:
 
 def dequantize_weight(b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
     """FP8 weight [N, K] and its scales [N] or [1] -> the float32 weight the reference multiplies by."""
-    return b.float() * b_scale.float()[:, None]
+    return to_float32(b) * b_scale.float()[:, None]
 
 
 def float_weight_gemm(a, a_scale, w, bias=None, out_dtype=torch.float32) -> torch.Tensor:
@@ -50,9 +52,8 @@ def float_weight_gemm(a, a_scale, w, bias=None, out_dtype=torch.float32) -> torc
     ``a`` [M, K] with their scales (as in ``fp8_gemm``), float32 ``w`` [N, K]."""
     sa = a_scale.float()
     sa = sa.repeat_interleave(a.shape[1] // sa.shape[1], dim=1) if sa.dim() == 2 else sa[:, None]
-    y = (a.float() * sa) @ w.t()
-    if bias is not None:
-        y = y + bias.float()
+    a = to_float32(a) * sa
+    y = a @ w.t() if bias is None else torch.addmm(bias.float(), a, w.t())
     return y.to(out_dtype)
 
 

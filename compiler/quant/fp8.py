@@ -25,9 +25,30 @@ def fp8_dtype(name: str) -> torch.dtype:
     return FP8_DTYPES[name]
 
 
+# Each FP8 dtype's 256 codes as float32, for ``to_float32``.
+_CODE_VALUES: dict[torch.dtype, torch.Tensor] = {}
+# Below this many elements torch's cast is as fast as the lookup (measured at [1, 576] and [16, 576]).
+_LOOKUP_FROM = 4096
+
+
+def to_float32(q: torch.Tensor) -> torch.Tensor:
+    """FP8 codes -> float32: exactly ``q.float()`` (NaN codes included). torch's CPU cast from FP8
+    is scalar code; a lookup in the table of the 256 codes' values is 2.5-4x faster on a KV cache
+    (measured: 29 against 115 us for one sequence's [170, 3, 64] K, 370 against 920 us for 16)."""
+    if not q.is_cpu or q.numel() < _LOOKUP_FROM:
+        return q.float()
+    table = _CODE_VALUES.get(q.dtype)
+    if table is None:
+        table = _CODE_VALUES[q.dtype] = torch.arange(256, dtype=torch.uint8).view(q.dtype).float()
+    return table.index_select(0, q.reshape(-1).view(torch.uint8).int()).view(q.shape)
+
+
+_FP8_MAX = {dtype: float(torch.finfo(dtype).max) for dtype in FP8_DTYPES.values()}
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     """The largest finite value of an FP8 dtype (448 for E4M3FN, 57344 for E5M2)."""
-    return float(torch.finfo(dtype).max)
+    return _FP8_MAX[dtype]
 
 
 def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -50,11 +71,12 @@ def weight_scale(weight: torch.Tensor, dtype: torch.dtype, granularity: str) -> 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """FP8 codes of ``x / scale`` (scale broadcast against x; e.g. [out, 1] for rows)."""
-    return saturating_cast(x.float() / scale, dtype)
+    m = fp8_max(dtype)  # saturating_cast's clamp, in place on the quotient: one temporary fewer
+    return (x.float() / scale).clamp_(-m, m).to(dtype)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (q.float() * scale).to(dtype)
+    return (to_float32(q) * scale).to(dtype)
 
 
 def quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

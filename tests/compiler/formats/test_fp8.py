@@ -23,6 +23,7 @@ from compiler.quant.fp8 import (
     quantize_per_token_group,
     saturating_cast,
     scale_from_amax,
+    to_float32,
     weight_scale,
 )
 
@@ -77,6 +78,18 @@ def test_saturating_cast_never_overflows_to_nan_or_inf(dtype):
     assert torch.isfinite(q).all()
     assert q[3] == fmax and q[4] == -fmax and q[5] == fmax and q[6] == -fmax and q[7] == fmax and q[8] == -fmax
     assert q[:3].tolist() == [0.0, 1.0, -1.0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 5), (16, 170, 3, 64)])  # torch's cast, and the table lookup
+def test_to_float32_is_torchs_cast_for_every_code(dtype, shape):
+    codes = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    codes.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)[: codes.numel()]  # every code, NaNs included
+    q = codes.view(dtype)
+    for view in (q, q.transpose(0, -1)):  # and a non-contiguous one
+        got, want = to_float32(view), view.float()
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert torch.equal(got.nan_to_num(123.0), want.nan_to_num(123.0)) and torch.equal(got.isnan(), want.isnan())
 
 
 def test_scales_map_absmax_to_format_max():
