@@ -290,12 +290,19 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    # One set of runtime labels for both panels; a runtime without a figure says so instead of a 0 bar.
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.5), sharey=True)
     labels = [r["runtime"] for r in rows]
-    a.barh(labels, [r["ms_per_token_c1"] or 0 for r in rows])
-    a.set_xlabel("decode ms/token, 1 request (lower is faster)")
-    b.barh(labels, [r["tok_s_c16"] or 0 for r in rows])
-    b.set_xlabel("output tokens/s, 16 concurrent (higher is better)")
+    for ax, key, xlabel in ((a, "ms_per_token_c1", "decode ms/token, 1 request (lower is faster)"),
+                            (b, "tok_s_c16", "output tokens/s, 16 concurrent (higher is faster)")):
+        values = [r[key] for r in rows]
+        ax.barh(labels, [v or 0 for v in values])
+        for y, v in enumerate(values):
+            ax.annotate("no figure" if v is None else f"{v:.1f}", (v or 0, y), xytext=(3, 0),
+                        textcoords="offset points", va="center", fontsize=8)
+        ax.set_xlabel(xlabel)
+        ax.margins(x=0.15)
+    a.invert_yaxis()  # rows top to bottom in the order of the table
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -1,0 +1,56 @@
+"""benchmarks/engine_vs_peers.py: a runtime that fails or runs past its time is a row with its error
+(the run goes on), ratios are against the first row, and the plot marks a missing figure."""
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def peers():
+    spec = importlib.util.spec_from_file_location("engine_vs_peers", ROOT / "benchmarks" / "engine_vs_peers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_runtime_past_its_time_becomes_an_error(peers):
+    def hangs():
+        time.sleep(5)
+        return {"ms_per_token_c1": 1.0, "tok_s_c16": 1.0}
+
+    started = time.monotonic()
+    assert peers.measure_within(hangs, 1) == {"error": "RuntimeTimeout: ran past --runtime-timeout 1 s"}
+    assert time.monotonic() - started < 3
+
+
+def test_a_failing_runtime_becomes_an_error(peers):
+    def fails():
+        raise OSError("no such server\nsecond line")
+
+    assert peers.measure_within(fails, 10) == {"error": "OSError: no such server"}
+
+
+def test_rows_average_rounds_and_compare_with_the_first(peers):
+    rows = peers.table_rows({
+        "float": [{"ms_per_token_c1": 30.0, "tok_s_c16": 100.0}, {"ms_per_token_c1": 34.0, "tok_s_c16": 120.0}],
+        "int4": [{"ms_per_token_c1": 16.0, "tok_s_c16": 220.0}, {"error": "OSError: x"}],
+        "broken": [{"error": "RuntimeTimeout: y"}],
+    })
+    assert [r["speedup_c1_vs_float"] for r in rows] == [1.0, 2.0, None]
+    assert [r["throughput_c16_vs_float"] for r in rows] == [1.0, 2.0, None]
+    assert rows[1]["errors"] == ["OSError: x"] and rows[2]["ms_per_token_c1"] is None
+
+
+def test_plot_draws_rows_without_a_figure(peers, tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = peers.table_rows({"float": [{"ms_per_token_c1": 30.0, "tok_s_c16": 100.0}],
+                             "llama.cpp": [{"ms_per_token_c1": 8.0, "tok_s_c16": None}],
+                             "broken": [{"error": "RuntimeTimeout: y"}]})
+    peers.plot(rows, tmp_path / "plots" / "peers.png")
+    assert (tmp_path / "plots" / "peers.png").read_bytes()[:4] == b"\x89PNG"
