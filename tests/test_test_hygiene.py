@@ -1,6 +1,7 @@
 """Rules for the tests themselves, checked on their source: no subprocess without a timeout (a hung
 child would hang the suite), no seed from ``hash()`` (it changes per process, so a failure could not
-be reproduced), and a maximum over values that may be NaN that does not drop the NaN."""
+be reproduced), a maximum over values that may be NaN that does not drop the NaN, and one relative
+error for every check (``numerics.relative_error``, where NaN never passes)."""
 from __future__ import annotations
 
 import ast
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import torch
 from distill_helpers import max_difference
+from numerics import relative_error
 
 TESTS = Path(__file__).resolve().parent
 SUBPROCESS_CALLS = {"run", "call", "check_call", "check_output"}
@@ -53,3 +55,18 @@ def test_max_difference_keeps_a_nan():
     assert math.isnan(max_difference(a, b))
     assert not math.isnan(max(float((a[k] - b[k]).abs().max()) for k in a))  # what Python's max() made of it
     assert max_difference(a, {**b, "y": torch.zeros(2)}) == 1.0
+
+
+def test_one_relative_error_for_the_tests():
+    copies = [where(path, node) for path in source_files() if path.name != "numerics.py"
+              for node in ast.walk(ast.parse(path.read_text(), str(path)))
+              if isinstance(node, ast.FunctionDef) and node.name in {"rel_err", "rel_error", "relative_error"}
+              and path.name != "onnx_helpers.py"]  # its rel_error is the max-abs error of numpy outputs
+    assert not copies, f"use numerics.relative_error instead of a copy: {', '.join(copies)}"
+
+
+def test_relative_error_never_passes_a_nan():
+    ref = torch.ones(4)
+    assert relative_error(torch.tensor([1.0, float("nan"), 1.0, 1.0]), ref) == math.inf
+    assert relative_error(ref, torch.tensor([1.0, float("inf"), 1.0, 1.0])) == math.inf
+    assert relative_error(ref * 1.5, ref) == 0.5

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from numerics import relative_error
 
 import passes  # noqa: F401  (registers the fp8 pass)
 from compiler.formats.int4 import Int4Linear
@@ -23,11 +24,6 @@ PROMPTS = [[5, 9, 14], [7, 8, 9, 10, 11, 12, 13, 40, 41]]
 # Logits on the GPU against the CPU: float32 matmuls (no TF32 in torch by default) for float; the fused
 # W4A16 kernel's TF32 dot for INT4; Hopper's FP8 accumulation for FP8 (several layers deep).
 LOGIT_BOUNDS = {"float": 1e-4, "int4": 1e-2, "fp8": 5e-2}
-
-
-def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return float((a - b).norm() / b.norm()) if torch.isfinite(a).all() else float("inf")
 
 
 @pytest.fixture
@@ -59,7 +55,7 @@ def test_engine_on_cuda(artifact, kind):
     cpu = load_artifact(path).model
     ids = torch.randint(3, cpu.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
     gpu = load_artifact(path).model.to("cuda")
-    assert rel_error(gpu(ids.to("cuda")), cpu(ids)) < LOGIT_BOUNDS[kind]
+    assert relative_error(gpu(ids.to("cuda")), cpu(ids)) < LOGIT_BOUNDS[kind]
     want = [gpu.generate(torch.tensor([p], device="cuda"), 8)[0, len(p):].tolist() for p in PROMPTS]
     engine = Engine.from_artifact(path, "cuda", block_size=4, num_blocks=64)
     assert engine.cache.use_triton and engine.cache.k[0].is_cuda

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from numerics import relative_error
 
 from compiler.model.kv_cache import attention_mask, sdpa
 from serving.paged_attention import (
@@ -19,14 +20,7 @@ from serving.paged_attention import (
 )
 from serving.paged_cache import BatchMetadata, KVCacheSpec, PagedKVCache, PrefillSeq
 
-
 KERNEL_BOUNDS = {"cpu": 1e-5, "cuda": 1e-4}
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    err = float((a.detach().float().cpu() - b.detach().float().cpu()).norm() / b.detach().float().cpu().norm())
-    assert err == err, "NaN"
-    return err
 
 
 def scatter_sequences(lens, n_blocks, bs, hkv, d, seed=0):
@@ -57,7 +51,7 @@ def test_decode_reference_matches_dense(window):
         n = lens[i]
         mask = attention_mask(torch.tensor([[n - 1]]), torch.arange(n)[None], window)
         want = sdpa(q[i][None, :, None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask)[0, :, 0]
-        assert rel_err(out[i], want) < 1e-5
+        assert relative_error(out[i], want) < 1e-5
 
 
 def test_prefill_reference_matches_causal_dense():
@@ -68,7 +62,7 @@ def test_prefill_reference_matches_causal_dense():
     out = paged_prefill_reference(q, k_cache, v_cache, tables[0], torch.arange(13, 19), n)
     mask = attention_mask(torch.arange(13, 19)[None], torch.arange(n)[None], None)
     want = sdpa(q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask)[0]
-    assert rel_err(out, want) < 1e-5
+    assert relative_error(out, want) < 1e-5
 
 
 def on(device, *tensors):
@@ -100,7 +94,7 @@ def test_triton_decode_matches_reference(triton_kernel, kernel_device, hq, hkv, 
     seq_lens = torch.tensor(lens)
     want = paged_decode_reference(q, k_cache, v_cache, tables, seq_lens, sliding_window=window)
     got = triton_kernel(*on(kernel_device, q, k_cache, v_cache, tables, seq_lens), sliding_window=window)
-    assert got.device.type == kernel_device and rel_err(got, want) < KERNEL_BOUNDS[kernel_device]
+    assert got.device.type == kernel_device and relative_error(got, want) < KERNEL_BOUNDS[kernel_device]
 
 
 @pytest.mark.parametrize("per_head", [False, True])
@@ -113,16 +107,16 @@ def test_triton_decode_fp8_matches_reference(triton_kernel, kernel_device, per_h
     q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(int(per_head)))
     want = paged_decode_reference(q, k8, v8, tables, torch.tensor(lens), scale, scale)
     got = triton_kernel(*on(kernel_device, q, k8, v8, tables, torch.tensor(lens), scale, scale))
-    assert rel_err(got, want) < KERNEL_BOUNDS[kernel_device]
+    assert relative_error(got, want) < KERNEL_BOUNDS[kernel_device]
     exact = paged_decode_reference(q, k_cache, v_cache, tables, torch.tensor(lens))
-    assert rel_err(want, exact) < 0.1  # FP8 storage costs precision, not correctness
+    assert relative_error(want, exact) < 0.1  # FP8 storage costs precision, not correctness
 
 
 def test_fp8_roundtrip_error_is_small():
     x = torch.randn(64, 2, 16)
     scale = x.abs().amax(dim=(0, 2))[:, None] / 448.0
     y = dequantize_kv(quantize_kv(x, torch.float8_e4m3fn, scale), torch.float32, scale)
-    assert rel_err(y, x) < 0.05
+    assert relative_error(y, x) < 0.05
 
 
 def test_paged_cache_attend_mixes_decode_and_prefill():
@@ -146,7 +140,7 @@ def test_paged_cache_attend_mixes_decode_and_prefill():
     out = cache.attend(0, q, k, v, positions)
     want_a = sdpa(q[:, :, :3], ka.transpose(0, 1)[None], va.transpose(0, 1)[None], None, causal=True)
     want_b = sdpa(q[:, :, 3:], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None], None)
-    assert rel_err(out[:, :, :3], want_a) < 1e-5 and rel_err(out[:, :, 3:], want_b) < 1e-5
+    assert relative_error(out[:, :, :3], want_a) < 1e-5 and relative_error(out[:, :, 3:], want_b) < 1e-5
 
 
 @pytest.mark.parametrize("window", [None, 6])

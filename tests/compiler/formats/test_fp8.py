@@ -12,6 +12,7 @@ import zlib
 import pytest
 import torch
 import torch.nn as nn
+from numerics import relative_error
 
 from compiler.errors import ArtifactError
 from compiler.formats.fp8 import Fp8Format, Fp8Linear
@@ -64,12 +65,6 @@ def fp8(lin: nn.Linear, input_scale=None, input_shift=None, outliers=None, **beh
     return Fp8Linear.from_linear(lin, fmt, input_scale, input_shift=input_shift, outliers=outliers)
 
 
-def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    err = float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
-    assert err == err, "NaN relative error"
-    return err
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_saturating_cast_never_overflows_to_nan_or_inf(dtype):
     fmax = torch.finfo(dtype).max
@@ -110,7 +105,7 @@ def test_per_token_quantization_round_trip():
     x = torch.randn(16, 64) * torch.logspace(-3, 3, 16)[:, None]  # rows of very different magnitudes
     q, s = quantize_per_token(x, torch.float8_e4m3fn)
     assert s.shape == (16,) and q.dtype == torch.float8_e4m3fn
-    assert rel_error(q.float() * s[:, None], x) < 0.05
+    assert relative_error(q.float() * s[:, None], x) < 0.05
 
 
 def _operands(m, n, k, a_dtype, b_dtype, granularity, seed):
@@ -137,15 +132,15 @@ def test_kernels_match_dequantize_reference(kernel, dtypes, granularity, shape, 
     m, n, k = shape
     x, w, xq, xs, wq, ws, bias = _operands(m, n, k, *dtypes, granularity, seed=stable_seed(shape, granularity))
     ref = dequant_gemm(xq, xs, wq, ws, bias)
-    assert rel_error(FP8_KERNELS[kernel](*on(device, xq, xs, wq, ws, bias)), ref) < bound
+    assert relative_error(FP8_KERNELS[kernel](*on(device, xq, xs, wq, ws, bias)), ref) < bound
     # static (per-tensor) activation scale too, with values saturating at the format's max
     xs_static = torch.tensor([1e4 / torch.finfo(dtypes[0]).max])
     xq_static = quantize(x, xs_static, dtypes[0])
     ref = dequant_gemm(xq_static, xs_static, wq, ws, None)
     assert torch.isfinite(ref).all()
-    assert rel_error(FP8_KERNELS[kernel](*on(device, xq_static, xs_static, wq, ws)), ref) < bound
+    assert relative_error(FP8_KERNELS[kernel](*on(device, xq_static, xs_static, wq, ws)), ref) < bound
     # and the reference itself is close to the float product
-    assert rel_error(dequant_gemm(xq, xs, wq, ws, bias), x @ w.t() + bias) < 0.1
+    assert relative_error(dequant_gemm(xq, xs, wq, ws, bias), x @ w.t() + bias) < 0.1
 
 
 def test_gemm_bounds_catch_a_wrong_scale():
@@ -153,7 +148,7 @@ def test_gemm_bounds_catch_a_wrong_scale():
     _, _, xq, xs, wq, ws, bias = _operands(70, 96, 130, torch.float8_e4m3fn, torch.float8_e4m3fn, "per_channel", 1)
     wrong = xs.clone()
     wrong[3] *= 2  # one token of 70 scaled wrong
-    err = rel_error(dequant_gemm(xq, wrong, wq, ws, bias), dequant_gemm(xq, xs, wq, ws, bias))
+    err = relative_error(dequant_gemm(xq, wrong, wq, ws, bias), dequant_gemm(xq, xs, wq, ws, bias))
     assert err > 10 * GEMM_BOUNDS["cuda"], err
 
 
@@ -176,7 +171,7 @@ def test_fp8_linear_close_to_float(scheme, granularity):
     assert q.weight.dtype == torch.float8_e4m3fn and q.weight.shape == (32, 48)
     y = q(x)
     assert y.shape == (3, 7, 32) and y.dtype == x.dtype
-    assert rel_error(y, lin(x)) < 0.08
+    assert relative_error(y, lin(x)) < 0.08
     meta = q.format_meta()
     assert meta["format"] == "fp8" and meta["in_features"] == 48 and meta["out_features"] == 32
     assert meta["activation_scheme"] == scheme and meta["granularity"] == granularity
@@ -193,7 +188,7 @@ def test_fp8_linear_static_saturates_instead_of_nan():
 
 def test_fp8_gemm_default_dispatch_matches_reference():
     _, _, xq, xs, wq, ws, bias = _operands(9, 17, 33, torch.float8_e4m3fn, torch.float8_e4m3fn, "per_channel", 3)
-    assert rel_error(fp8_gemm(xq, xs, wq, ws, bias), dequant_gemm(xq, xs, wq, ws, bias)) < 1e-5
+    assert relative_error(fp8_gemm(xq, xs, wq, ws, bias), dequant_gemm(xq, xs, wq, ws, bias)) < 1e-5
 
 
 @pytest.mark.parametrize("scheme", ["dynamic", "none"])
@@ -204,7 +199,7 @@ def test_fp8_linear_keeps_bfloat16_models_in_bfloat16(scheme):
     x = torch.randn(4, 32, dtype=torch.bfloat16)
     y = q(x)
     assert y.dtype == torch.bfloat16 and q.bias.dtype == torch.bfloat16
-    assert rel_error(y, lin(x)) < 0.08
+    assert relative_error(y, lin(x)) < 0.08
 
 
 def test_module_to_dtype_keeps_fp8_codes_and_float32_scales():
@@ -228,7 +223,7 @@ def test_triton_gemm_tile_configs_match_reference(precise_acc, fp8_device):
     for block_m, block_n, block_k in [(16, 32, 32), (32, 64, 128)]:
         cfg = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": 2,
                "precise_acc": precise_acc}
-        assert rel_error(triton_fp8_gemm(*on(fp8_device, xq, xs, wq, ws, bias), config=cfg), ref) < bound
+        assert relative_error(triton_fp8_gemm(*on(fp8_device, xq, xs, wq, ws, bias), config=cfg), ref) < bound
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -274,16 +269,16 @@ def test_group_scaled_activations_match_a_hand_dequantized_product(kernel, group
     wq, ws = quantize(w, w.abs().amax(1, keepdim=True) / 448, torch.float8_e4m3fn), w.abs().amax(1) / 448
     by_hand = (xq.float().view(21, -1, group) * xs[..., None]).view(21, 192) @ (wq.float() * ws[:, None]).t()
     device = fp8_device if kernel == "triton" else "cpu"
-    assert rel_error(FP8_KERNELS[kernel](*on(device, xq, xs, wq, ws)), by_hand) < GEMM_BOUNDS[device]
-    assert rel_error(fp8_gemm(xq, xs, wq, ws), by_hand) < 1e-5  # the CPU default takes group scales too
+    assert relative_error(FP8_KERNELS[kernel](*on(device, xq, xs, wq, ws)), by_hand) < GEMM_BOUNDS[device]
+    assert relative_error(fp8_gemm(xq, xs, wq, ws), by_hand) < 1e-5  # the CPU default takes group scales too
     with pytest.raises(ValueError, match="no per-group activation scales"):
         FP8_KERNELS["scaled_mm"](xq, xs, wq, ws)
     # finer scales: per token, the outlier pushes the token's other channels into E4M3's subnormals;
     # per group, only the channels of its own group
     rest = slice(group, None)
     pq, ps = quantize_per_token(x, torch.float8_e4m3fn)
-    per_token = rel_error((pq.float() * ps[:, None])[:, rest], x[:, rest])
-    per_group = rel_error((xq.float().view(21, -1, group) * xs[..., None]).view(21, 192)[:, rest], x[:, rest])
+    per_token = relative_error((pq.float() * ps[:, None])[:, rest], x[:, rest])
+    per_group = relative_error((xq.float().view(21, -1, group) * xs[..., None]).view(21, 192)[:, rest], x[:, rest])
     assert per_group < 0.05 < per_token
 
 
@@ -292,7 +287,7 @@ def test_fp8_linear_with_activation_groups_round_trips_its_meta():
     lin = nn.Linear(64, 24)
     q = fp8(lin, activation_group_size=32)
     x = torch.randn(5, 64)
-    assert rel_error(q(x), lin(x)) < 0.08
+    assert relative_error(q(x), lin(x)) < 0.08
     meta = q.format_meta()
     assert meta["activation_group_size"] == 32
     empty = Fp8Linear.empty(meta, 64, 24, True, torch.float32)
@@ -317,7 +312,7 @@ def test_input_shift_spends_the_rounding_on_x_minus_mean(scheme):
     plain = fp8(lin, activation_scheme=scheme)
     shifted = fp8(lin, activation_scheme=scheme, input_shift=x.mean(0))
     ref = lin(x)
-    assert rel_error(shifted(x), ref) < 0.5 * rel_error(plain(x), ref)
+    assert relative_error(shifted(x), ref) < 0.5 * relative_error(plain(x), ref)
     if scheme == "none":  # no activation rounding: the float form agrees to float error
         float_form = x @ shifted.dequantized_weight().t() + shifted.dequantized_bias()
         assert torch.allclose(float_form, shifted(x), atol=1e-4)
@@ -356,7 +351,7 @@ def test_outlier_channels_stay_out_of_the_cast(scheme):
     by_hand = cast @ w_rest.t() + centred[:, idx] @ lin.weight[:, idx].t() + q.bias
     assert torch.allclose(q(x), by_hand, atol=1e-4)
     plain = fp8(lin, activation_scheme=scheme, input_scale=float(centred.abs().max()) / 448, input_shift=mean)
-    assert rel_error(q(x), lin(x)) < 0.5 * rel_error(plain(x), lin(x))
+    assert relative_error(q(x), lin(x)) < 0.5 * relative_error(plain(x), lin(x))
     if scheme == "none":  # no activation rounding: the float form agrees to float error
         assert torch.allclose(x @ q.dequantized_weight().t() + q.dequantized_bias(), q(x), atol=1e-3)
     clone = Fp8Linear.empty(q.format_meta(), 64, 32, True, torch.float32)
@@ -438,7 +433,7 @@ def test_fp8_gemm_dispatch_on_cuda(grouped):
     assert select_kernel(torch.device("cuda"), grouped) == "triton"
     ref = dequant_gemm(xq, xs, wq, ws, bias)
     y = fp8_gemm(*on("cuda", xq, xs, wq, ws, bias))
-    assert y.is_cuda and rel_error(y, ref) < GEMM_BOUNDS["cuda"]
+    assert y.is_cuda and relative_error(y, ref) < GEMM_BOUNDS["cuda"]
 
 
 @pytest.mark.gpu(capability=(8, 9))
@@ -460,7 +455,7 @@ def test_fp8_linear_forward_on_cuda(variant, dtype):
     got = q.to("cuda")(x.to("cuda"))
     assert got.is_cuda and got.dtype == dtype
     bound = GEMM_BOUNDS["cuda"] + (2**-8 if dtype == torch.bfloat16 else 0)  # + the output's rounding to bfloat16
-    assert rel_error(got, ref) < bound
+    assert relative_error(got, ref) < bound
 
 
 def _reference_forward(q: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
@@ -507,7 +502,7 @@ def test_cpu_float_copy_gives_the_reference_output_bit_for_bit(case, dtype, monk
     assert torch.equal(got, _reference_forward(q, x))
     monkeypatch.setenv("QCOMPILE_FP8_CPU_FLOAT_WEIGHT", "0")
     before = q(x)  # per call: _scaled_mm (or the reference for groups / weight-only)
-    err = rel_error(got, before)
+    err = relative_error(got, before)
     print(f"{case} shift={shift} outliers={outliers} {dtype}: float copy vs per-call path {err:.2e}")
     assert err < (1e-6 if dtype == torch.float32 else 1e-2)
 

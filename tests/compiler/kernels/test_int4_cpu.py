@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+from numerics import relative_error
 
 from compiler.formats.int4 import Int4Linear
 from compiler.kernels.int4_cpu import (
@@ -28,14 +29,6 @@ TOLERANCE = 8e-3
 SHAPES = [(576, 1536), (1536, 576), (576, 192)]  # SmolLM2's MLP and k/v widths; 576 % 128 != 0: padded K
 CASES = [(k, n, g, zp, m, dtype) for (k, n), g, zp, m, dtype in itertools.product(
     SHAPES, (32, 64, 128, 256), (True, False), (1, 37), (torch.float32, torch.bfloat16, torch.float16))]
-
-
-def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """||got - ref|| / ||ref|| in float64; NaN or inf anywhere gives inf, which never passes."""
-    got, ref = got.double(), ref.double()
-    if not (torch.isfinite(got).all() and torch.isfinite(ref).all()):
-        return float("inf")
-    return float((got - ref).norm() / ref.norm())
 
 
 def random_layer(k: int, n: int, group: int, zero_point: bool, bias: bool, seed: int) -> Int4Linear:

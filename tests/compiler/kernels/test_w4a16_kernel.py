@@ -12,6 +12,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from numerics import relative_error  # noqa: E402
+
 from compiler.formats.int4 import DEQUANT_MIN_TOKENS, Int4Linear  # noqa: E402
 
 BOUNDS = {
@@ -43,14 +45,6 @@ CASES = [
 ]
 
 
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative error against the float64 reference; NaN or Inf anywhere gives inf."""
-    out = out.detach().double().cpu()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return float((out - ref).norm() / ref.norm())
-
-
 def layer_and_input(m, k, n, g, zero_point, bias, seed):
     torch.manual_seed(seed)
     q = Int4Linear.from_float(torch.nn.Linear(k, n, bias=bias), g, zero_point)
@@ -74,7 +68,7 @@ def test_w4a16_kernel_matches_reference(case, kernel_device):
     ref = reference(q, x)
     q, x = q.to(kernel_device), x.to(kernel_device)
     out = w4a16_matmul(x, q.qweight, q.scales, q.qzeros, q.in_features, q.group_size, q.bias, config)
-    err = rel_error(out, ref)
+    err = relative_error(out, ref)
     print(f"W4A16 kernel {case} on {kernel_device}: relative error {err:.2e}")
     assert out.shape == (2, shape[0], shape[2]) and out.dtype == torch.float32
     assert err < BOUNDS[(kernel_device, torch.float32)]  # NaN fails this comparison too
@@ -87,7 +81,7 @@ def test_the_bound_catches_one_wrong_code_per_group(kernel_device):
     codes, zero = q.codes()
     wrong = Int4Linear.from_codes(codes ^ (torch.arange(codes.shape[1]) % 32 == 0).to(torch.uint8), q.scales, zero,
                                   q.in_features, q.group_size, q.zero_point, q.bias)
-    assert rel_error(wrong(x), ref) > 10 * BOUNDS[(kernel_device, torch.float32)]  # 0.04 against 1e-5 or 3e-3
+    assert relative_error(wrong(x), ref) > 10 * BOUNDS[(kernel_device, torch.float32)]  # 0.04 against 1e-5 or 3e-3
 
 
 def test_w4a16_block_k_must_divide_the_group():
@@ -133,4 +127,4 @@ def test_int4_linear_forward_on_cuda(dtype, tokens):
     assert out.is_cuda and out.dtype == dtype and out.shape == (tokens, 192)
     # the dequantize + cuBLAS path in float32 does not use TF32 (torch's default), the fused kernel does
     bound = BOUNDS[("cuda", dtype)] if dtype != torch.float32 or tokens < DEQUANT_MIN_TOKENS else 1e-5
-    assert rel_error(out, ref) < bound
+    assert relative_error(out, ref) < bound

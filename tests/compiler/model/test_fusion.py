@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from numerics import relative_error
 
 from compiler.formats.fp8 import Fp8Format, Fp8Linear
 from compiler.formats.int4 import Int4Linear
@@ -16,11 +17,6 @@ from compiler.model.fusion import fuse_projections
 from serving.engine import Engine
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    assert not got.isnan().any()
-    return ((got - want).norm() / want.norm()).item()
 
 
 def quantize_projections(model: nn.Module, group_size: int = 32, names=PROJECTIONS) -> None:

@@ -2,6 +2,7 @@
 import pytest
 import torch
 from conftest import make_hf_model
+from numerics import relative_error
 
 from compiler.io.load import load_checkpoint
 
@@ -16,10 +17,6 @@ CASES = {
     "qwen2": ("qwen2", {}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
 }
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / a.norm()).item()
 
 
 def hf_greedy(model, prompt, n):
@@ -40,7 +37,7 @@ def test_logits_and_greedy_match_transformers(case, tmp_path):
         with torch.no_grad():
             ref, got = hf(x).logits, ours(x)
         assert torch.isfinite(got).all()
-        err = rel_err(ref, got)
+        err = relative_error(got, ref)
         assert err < 1e-4, f"{case} T={length}: relative error {err:.2e}"
     prompt = torch.randint(0, hf.config.vocab_size, (1, 6), generator=gen)
     assert torch.equal(hf_greedy(hf, prompt, 32), ours.generate(prompt, 32))
@@ -67,6 +64,6 @@ def test_smollm2_matches_transformers(smollm2):
     ids = torch.tensor([smollm2.tokenizer("def quicksort(items):\n    ")["input_ids"]])
     x = torch.cat([ids, torch.randint(0, 49152, (1, 50), generator=torch.Generator().manual_seed(0))], dim=1)
     with torch.no_grad():
-        err = rel_err(hf(x).logits, smollm2.model(x))
+        err = relative_error(smollm2.model(x), hf(x).logits)
     assert err < 1e-4, f"SmolLM2 relative error {err:.2e}"
     assert torch.equal(hf_greedy(hf, ids, 32), smollm2.model.generate(ids, 32))
