@@ -70,7 +70,9 @@ GENAI_SCRIPT = r"""
 import json, sys, time
 import onnxruntime_genai as og
 cfg = json.loads(sys.stdin.read())
-model = og.Model(cfg["model"])
+config = og.Config(cfg["model"])  # the builder leaves threads to ORT: give it ours, leaving its files as they are
+config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": cfg["threads"]}}}}))
+model = og.Model(config)
 def run(prompts):
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(prompts[0]) + cfg["output_len"], do_sample=False, batch_size=len(prompts))
@@ -189,13 +191,9 @@ def run_child(python: str, path: Path, script: str, cfg: dict, what: str) -> dic
 
 
 def run_genai(args) -> dict:
-    genai_config = args.genai_model / "genai_config.json"
-    config = json.loads(genai_config.read_text())  # the builder leaves threads to ORT: give it ours
-    config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = args.threads
-    genai_config.write_text(json.dumps(config, indent=4))
     prompts = child_prompts(args, 1 + args.single_requests + 16)
     cfg = {"model": str(args.genai_model), "prompts": prompts[: 1 + args.single_requests],
-           "batch": prompts[1 + args.single_requests:], "output_len": args.output_len}
+           "batch": prompts[1 + args.single_requests:], "output_len": args.output_len, "threads": args.threads}
     out = run_child(args.genai_python, args.genai_path, GENAI_SCRIPT, cfg, "onnxruntime-genai")
     return {"ms_per_token_c1": mean_after_warmup(out["ms_per_token"]), "tok_s_c16": out["tok_s_batch"]}
 
