@@ -179,7 +179,7 @@ def awq_working_memory(config: ModelConfig, calibration, options: AWQOptions, dt
     widest_group = max(qkv_rows * config.dim, 2 * config.intermediate_size * config.dim)
     terms = activation_terms(config, calibration.samples, calibration.seq_len, options.batch_size, dtype_bytes)
     if excluded_by("lm_head", options.modules_to_not_convert) is None:
-        # the head is the last scaling group; with a large vocabulary (Gemma 3: 262k x 640) the widest
+        # the head is the last scaling group, and with a large vocabulary (Gemma 3: 262k x 640) the widest one
         head = config.vocab_size * config.dim
         widest_group = max(widest_group, head)
         if config.tie_embeddings:  # the quantized head is an untied copy of the embedding
