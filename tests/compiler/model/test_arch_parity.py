@@ -3,7 +3,8 @@ checkpoint: logits within 1e-4 relative (fp32) and 32 identical greedy tokens.""
 import pytest
 import torch
 from arch_helpers import ARCH_CASES, make_arch_model
-from test_model_parity import hf_greedy, rel_err
+from numerics import relative_error
+from test_model_parity import hf_greedy
 
 from compiler.io.load import load_checkpoint
 
@@ -20,7 +21,7 @@ def test_logits_and_greedy_match_transformers(case, tmp_path):
         with torch.no_grad():
             ref, got = hf(x).logits, ours(x)
         assert torch.isfinite(got).all()
-        err = rel_err(ref, got)
+        err = relative_error(got, ref)
         assert err < 1e-4, f"{case} T={length}: relative error {err:.2e}"
     prompt = torch.randint(0, hf.config.vocab_size, (1, 6), generator=gen)
     assert torch.equal(hf_greedy(hf, prompt, 32), ours.generate(prompt, 32))

@@ -2,7 +2,8 @@
 against transformers reading the same file, and its perplexity by the shared protocol."""
 import pytest
 import torch
-from test_model_parity import hf_greedy, rel_err
+from numerics import relative_error
+from test_model_parity import hf_greedy
 
 from compiler.io.checkpoint import resolve_model_path
 from compiler.io.load import load_checkpoint
@@ -24,7 +25,7 @@ def test_gemma3_270m_matches_transformers(gemma3):
     # 600 more tokens: past the 512-token window of the sliding layers.
     x = torch.cat([ids, torch.randint(0, 262144, (1, 600), generator=torch.Generator().manual_seed(0))], dim=1)
     with torch.no_grad():
-        err = rel_err(hf(x).logits, gemma3.model(x))
+        err = relative_error(gemma3.model(x), hf(x).logits)
     assert err < 1e-4, f"Gemma 3 270M relative error {err:.2e}"
     assert torch.equal(hf_greedy(hf, ids, 32), gemma3.model.generate(ids, 32))
 
