@@ -47,6 +47,7 @@ from compiler.errors import ConfigError
 from compiler.formats.fp8 import Fp8Format, Fp8Linear
 from compiler.formats.fp8_kv import KVObserver, install_kv_quant, kv_cache_entry
 from compiler.formats.qlinear import linear_modules
+from compiler.io.stream import trim_heap
 from compiler.model.config import ModelConfig
 from compiler.model.moe import every_token_to, router_names
 from compiler.model.transformer import Transformer
@@ -65,7 +66,7 @@ from compiler.pipeline.calibration import (
     collect_block,
     collect_model,
 )
-from compiler.pipeline.memory import activation_terms, linear_inputs
+from compiler.pipeline.memory import activation_terms, block_bytes, linear_inputs
 from compiler.pipeline.selection import meta_model, select_linears
 from compiler.progress import track
 from compiler.quant.fp8 import (
@@ -217,8 +218,11 @@ class Fp8Pass(Pass):
                     "calibration statistics (one block)": per_block, **gptq}
         chunk = min(CALIBRATION_BATCH, samples) * calibration.seq_len
         forward = chunk * (3 * config.intermediate_size + 6 * config.dim + 2 * config.vocab_size) * 4
+        # every block's FP8 codes (a byte a weight) coexist with the float model until the compile ends
+        fp8_weights = config.n_layers * block_bytes(config, 1)[1]
         return {"calibration statistics (every block)": config.n_layers * per_block,
-                "model forward (one batch)": forward + chunk * config.n_heads * calibration.seq_len * 4, **gptq}
+                "model forward (one batch)": forward + chunk * config.n_heads * calibration.seq_len * 4,
+                "FP8 weights (every block)": fp8_weights, **gptq}
 
     def stream(self, model: Transformer, context: PassContext) -> "Fp8Stream":
         return Fp8Stream(self, model, context)
@@ -228,8 +232,11 @@ class Fp8Pass(Pass):
         stats = self._calibrate(model, context, candidates)
         routed = {n: stats.inputs[n].tokens for n in candidates if expert_of(n) is not None and n in stats.inputs}
         stats, starved = self._calibrate_starved(model, context, stats, candidates)
-        rows = [self._convert(model, name, stats.inputs.get(name), routed.get(name), starved.get(name))
-                for name in track(candidates, "fp8: quantizing layers")]
+        rows, blocks = [], [name.split(".")[:2] for name in candidates]
+        for i, name in enumerate(track(candidates, "fp8: quantizing layers")):
+            rows.append(self._convert(model, name, stats.inputs.get(name), routed.get(name), starved.get(name)))
+            if i + 1 == len(candidates) or blocks[i + 1] != blocks[i]:
+                trim_heap()  # the block's conversion temporaries back to the kernel (see trim_heap)
         return self._report(model, context, excluded, rows, stats.kv, starved)
 
     def _report(self, model: Transformer, context: PassContext, excluded: dict[str, str], rows: list[LayerDecision],
@@ -356,6 +363,7 @@ class Fp8Pass(Pass):
                 x = stats.rows.to(linear.weight.dtype)
                 ref = linear(x).float()
                 err = float((q(x).float() - ref).norm() / ref.norm().clamp(min=1e-30))
+                q.drop_float_weight()
             err = err if math.isfinite(err) else float("inf")
             row.metrics["rel_error"] = err
             if err > o.max_layer_error:

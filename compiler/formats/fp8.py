@@ -316,6 +316,11 @@ class Fp8Linear(QuantizedLinear):
             self._float_weight_source = (tensors, versions)
         return self._float_weight
 
+    def drop_float_weight(self) -> None:
+        """Free the float32 copy (rebuilt on the next CPU forward): a compile measures a layer's
+        error through it, then must not keep 4 bytes per weight of every converted layer."""
+        self._float_weight = self._float_weight_source = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # [M, K]

@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 
 from compiler.formats.fp8_kv import KVObserver
+from compiler.io.stream import trim_heap
 from compiler.progress import track
 
 
@@ -273,6 +274,8 @@ def _collect_model(model, windows, requests, kv_heads, batch_size, label, sample
     device = next(model.parameters()).device
     batches = windows.split(batch_size)
     hooks.sampler = sampler
+    # each block's freed activations back to the kernel: the peak stays the live statistics
+    hooks._handles += [layer.register_forward_hook(lambda *_: trim_heap()) for layer in model.layers]
     try:
         for batch in track(batches, label, total=len(batches)):
             hooks.sample, hooks.chunk_tokens = (sampler.draw(batch.numel()) if draws else None), batch.numel()

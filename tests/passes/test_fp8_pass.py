@@ -97,6 +97,16 @@ def test_fallback_keeps_layers_above_max_layer_error(tiny, tmp_path):
     assert type(loaded.model.layers[0].self_attn.q_proj) is torch.nn.Linear
 
 
+def test_measuring_layer_errors_keeps_no_float_copy_of_the_weights(tiny, tmp_path):
+    """The error check runs each layer once through its float32 weight copy; the compiled model
+    must not keep those copies (4 bytes a weight: more than the float model it replaces)."""
+    loaded = tiny()
+    compile_loaded(loaded, pipeline(max_layer_error=10.0), tmp_path / "a")
+    converted = [m for m in loaded.model.modules() if isinstance(m, Fp8Linear)]
+    assert len(converted) == 14
+    assert all(m._float_weight is None for m in converted)
+
+
 def test_fallback_decision_uses_measured_error(tiny, tmp_path):
     """A threshold between the smallest and largest layer error splits the layers accordingly."""
     loaded = tiny()
