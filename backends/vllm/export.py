@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from backends.vllm.schemes import FUSED_SETS, check_experts, ct_scheme, kv_cache_scheme
+from backends.vllm.schemes import FUSED_SETS, MODEL_TYPES, ct_scheme, kv_cache_scheme
 from backends.vllm.tensors import fp8_tensors, int4_tensors, kv_scale_tensors
 from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
 from compiler.errors import ConfigError
@@ -35,11 +35,6 @@ from compiler.model.config import ModelConfig
 # The compressed-tensors release whose loader this layout was checked against (its decompressor
 # in tests/backends/vllm, and vLLM 0.32's CPU kernels); compressed-tensors writes its own version here.
 CT_VERSION = "0.17.0"
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "Qwen3MoeForCausalLM": "qwen3_moe",
-               "MixtralForCausalLM": "mixtral"}
-# The routed experts' linears as the checkpoints name them (vLLM's FusedMoE loads them by these names).
-EXPERT_LINEARS = {"qwen_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")), "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 INDEX_FILE = "model.safetensors.index.json"
 EXPORT_FILE = "qcompile_export.json"
 
@@ -62,46 +57,10 @@ def hf_name(module: str) -> str:
 
 def check_artifact(manifest: dict, where: str) -> None:
     """Raise ConfigError, before any work, for anything in the artifact vLLM cannot run exactly."""
-    arch = manifest["model_config"]["architecture"]
-    if arch not in MODEL_TYPES:
-        # DeepSeek-V3, for one: vLLM fuses q_a_proj with kv_a_proj_with_mqa, absorbs kv_b_proj into MLA
-        # and runs shared experts beside the routed ones; none of it is checked against vLLM's loader here.
-        raise ConfigError(f"{where}: target 'vllm' cannot export {arch} yet (it exports {', '.join(MODEL_TYPES)}); "
-                          "serve it with the engine (qcompile generate)")
-    if arch == "Gemma3ForCausalLM" and manifest["dtype"] == "float16":  # vLLM's own check (its gemma3_text config)
-        raise ConfigError(f"{where}: vLLM refuses Gemma 3 in float16 (numerically unstable, it says); compile it in "
-                          "float32 or bfloat16 (set [model] dtype)")
     modules = manifest.get("modules", {})
-    check_formats("vllm", modules, where)
-    check_plan("vllm", DeploymentPlan(manifest["dtype"], modules, kv_cache=manifest.get("kv_cache")), where)
     config = ModelConfig.from_dict(manifest["model_config"])
-    why = check_experts(modules, expert_linears(config)) or _check_dense_layers(config, modules)
-    if why:
-        raise ConfigError(f"{where}: target 'vllm' cannot run {why}")
-
-
-def _check_dense_layers(config: ModelConfig, modules: dict[str, dict]) -> str | None:
-    """vLLM 0.32's Qwen3-MoE fuses a dense layer's gate/up_proj into gate_up_proj without telling its
-    quantization config, finds no scheme for it and fails to load its quantized weights."""
-    if config.spec.ffn != "qwen_moe":
-        return None
-    dense = [f"layers.{i}.mlp.{p}" for i in range(config.n_layers) if not config.is_moe_layer(i)
-             for p in ("gate_proj", "up_proj")]
-    quantized = [name for name in dense if name in modules]
-    if quantized:
-        return (f"{quantized[0]}: a quantized MLP in a Qwen3-MoE dense layer (mlp_only_layers); vLLM 0.32 finds no scheme "
-                "for its fused gate_up_proj and fails to load it; add the dense layers' mlp to modules_to_not_convert")
-    return None
-
-
-def expert_linears(config: ModelConfig) -> dict[str, list[str]]:
-    """Every routed expert's linears by experts module (``layers.i.mlp.experts``: ``[layers.i.mlp.experts.0.gate_proj, ...]``)."""
-    if config.spec.ffn not in EXPERT_LINEARS:
-        return {}
-    block, projections = EXPERT_LINEARS[config.spec.ffn]
-    return {f"layers.{i}.{block}.experts": [f"layers.{i}.{block}.experts.{e}.{p}" for e in range(config.num_experts)
-                                            for p in projections]
-            for i in range(config.n_layers) if config.is_moe_layer(i)}
+    check_formats("vllm", modules, where)
+    check_plan("vllm", DeploymentPlan(manifest["dtype"], modules, kv_cache=manifest.get("kv_cache"), config=config), where)
 
 
 def _check_static_input_scales(model: torch.nn.Module, modules: dict[str, dict], where: str) -> None:

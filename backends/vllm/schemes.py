@@ -13,7 +13,7 @@ the ``weights`` / ``input_activations`` quantization args and the on-disk ``form
     FP8 KV cache (manifest)     -> kv_cache_scheme   float 8-bit, per tensor, static (k_scale / v_scale)
 
 ``check_module`` says, for one manifest entry, why no stock vLLM kernel runs it (or None);
-``check_plan`` the same for what no single entry shows: the model dtype, the layer sets vLLM
+``check_plan`` the same for what no single entry shows: the architecture (``check_model``), the model dtype, the layer sets vLLM
 fuses into one GEMM (q/k/v, gate/up), which must share one scheme (``check_fused``), and the
 FP8 KV cache (``check_kv_cache``), and a mixture-of-experts layer's experts, which vLLM runs as one
 FusedMoE of one scheme (``check_experts``; its CPU MoE kernels take symmetric INT4 experts, group
@@ -25,12 +25,21 @@ import json
 import re
 from typing import Any
 
+from compiler.deploy.targets import DeploymentPlan
+from compiler.model.config import ModelConfig
+
 CT_FP8 = "float8_e4m3fn"  # compressed-tensors' one 8-bit float type (and vLLM's FP8 kernels')
 
 # Layers vLLM's Llama/Mistral/Qwen2 models run as one fused GEMM (their packed_modules_mapping).
 FUSED_SETS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 FUSED_SUFFIXES = tuple(name for group in FUSED_SETS for name in group)
 EXPERT = re.compile(r"(.*?\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)")  # Qwen3-MoE's and Mixtral's expert linears
+# The architectures the export writes, by the model_type vLLM's config.json names them with.
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "Qwen3MoeForCausalLM": "qwen3_moe",
+               "MixtralForCausalLM": "mixtral"}
+# The routed experts' linears as the checkpoints name them (vLLM's FusedMoE loads them by these names).
+EXPERT_LINEARS = {"qwen_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")), "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 
 
 def _int4_args(fmt: dict) -> dict:
@@ -187,8 +196,51 @@ def check_kv_cache(entry: dict | None) -> str | None:
     return None
 
 
-def check_plan(plan) -> str | None:
+def check_model(config: ModelConfig, dtype: str) -> str | None:
+    """None when the export writes the architecture and vLLM runs it in ``dtype``, else why not."""
+    arch = config.architecture
+    if arch == "DeepseekV3ForCausalLM":
+        # benchmarks/vllm_deepseek_probe.py: on tiny float32 checkpoints vLLM 0.32's CPU build agrees with
+        # transformers at the first position only (docs/notes/2026-12-deepseek-v3-vllm-cpu.md)
+        return (f"{arch}: vLLM 0.32's CPU build runs MLA only at kv_lora_rank + qk_rope_head_dim = 576, and there "
+                "its prefill disagrees with transformers (measured); serve it with the engine (qcompile generate)")
+    if arch not in MODEL_TYPES:
+        return f"{arch} (the export writes {', '.join(MODEL_TYPES)}); serve it with the engine (qcompile generate)"
+    if arch == "Gemma3ForCausalLM" and dtype == "float16":  # vLLM's own check (its gemma3_text config)
+        return ("Gemma 3 in float16: vLLM refuses Gemma 3 in float16 (numerically unstable, it says); compile it in "
+                "float32 or bfloat16 (set [model] dtype)")
+    return None
+
+
+def expert_linears(config: ModelConfig) -> dict[str, list[str]]:
+    """Every routed expert's linears by experts module (``layers.i.mlp.experts``: ``[layers.i.mlp.experts.0.gate_proj, ...]``)."""
+    if config.spec.ffn not in EXPERT_LINEARS:
+        return {}
+    block, projections = EXPERT_LINEARS[config.spec.ffn]
+    return {f"layers.{i}.{block}.experts": [f"layers.{i}.{block}.experts.{e}.{p}" for e in range(config.num_experts)
+                                            for p in projections]
+            for i in range(config.n_layers) if config.is_moe_layer(i)}
+
+
+def check_dense_layers(config: ModelConfig, formats: dict[str, dict]) -> str | None:
+    """vLLM 0.32's Qwen3-MoE fuses a dense layer's gate/up_proj into gate_up_proj without telling its
+    quantization config, finds no scheme for it and fails to load its quantized weights."""
+    if config.spec.ffn != "qwen_moe":
+        return None
+    dense = [f"layers.{i}.mlp.{p}" for i in range(config.n_layers) if not config.is_moe_layer(i)
+             for p in ("gate_proj", "up_proj")]
+    quantized = [name for name in dense if name in formats]
+    if quantized:
+        return (f"{quantized[0]}: a quantized MLP in a Qwen3-MoE dense layer (mlp_only_layers); vLLM 0.32 finds no scheme "
+                "for its fused gate_up_proj and fails to load it; add the dense layers' mlp to modules_to_not_convert")
+    return None
+
+
+def check_plan(plan: DeploymentPlan) -> str | None:
     """What vLLM cannot run in a ``DeploymentPlan`` as a whole (a pipeline's before it runs, or an artifact's)."""
+    config = plan.config
+    if config is not None and (why := check_model(config, plan.dtype)):
+        return why
     if plan.dtype == "float32" and any(f.get("format") == "int4" for f in plan.formats.values()):
         return ("int4 layers in a float32 model: vLLM's INT4 kernels (CPUWNA16 on CPUs, Marlin and the others on "
                 "GPUs) take float16 or bfloat16 activations only; set [model] dtype = \"float16\" (or \"bfloat16\")")
@@ -198,7 +250,9 @@ def check_plan(plan) -> str | None:
     for name, options in plan.passes:  # a pipeline's FP8 KV cache, before the pass has calibrated it
         if name == "fp8" and getattr(options, "kv_cache_dtype", "none") != "none":
             kv = {"dtype": options.kv_cache_dtype, "granularity": options.kv_cache_granularity}
-    return check_fused(plan.formats) or check_experts(plan.formats) or check_kv_cache(kv)
+    experts = expert_linears(config) if config is not None else None
+    return (check_fused(plan.formats) or check_experts(plan.formats, experts)
+            or (check_dense_layers(config, plan.formats) if config is not None else None) or check_kv_cache(kv))
 
 
 def kv_cache_scheme(entry: dict | None) -> dict | None:

@@ -290,7 +290,8 @@ class Pipeline:
         if self.config.target.name:
             from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
 
-            plan = DeploymentPlan(self.config.model.dtype, formats, [(p.name, p.options) for p in self.passes])
+            plan = DeploymentPlan(self.config.model.dtype, formats, [(p.name, p.options) for p in self.passes],
+                                  config=model_config)
             try:
                 check_formats(self.config.target.name, formats, "pipeline")
                 check_plan(self.config.target.name, plan, "pipeline")

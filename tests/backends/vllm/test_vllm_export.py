@@ -304,3 +304,36 @@ def test_quantized_dense_mlp_of_qwen3_moe_is_refused(tmp_path):
     artifact = compile_for(checkpoint, pipeline, tmp_path / "artifact", target=None)
     with pytest.raises(ConfigError, match=r"layers.1.mlp.gate_proj: a quantized MLP in a Qwen3-MoE dense layer"):
         lower(artifact, "vllm", tmp_path / "vllm")
+
+
+# What only the model's config shows, refused by a pipeline for vllm before any pass runs (and by lower).
+INT4_SYMMETRIC = {"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 64, "zero_point": False}]}
+ARCH_REFUSED = {
+    "deepseek": ("deepseek-v3", {}, {"passes": []}, "DeepseekV3ForCausalLM: vLLM 0.32's CPU build runs MLA only at"),
+    "gemma3-float16": ("gemma3", {}, {"model": {"dtype": "float16"}, "passes": []}, "vLLM refuses Gemma 3 in float16"),
+    "qwen3-moe-dense-layer": ("qwen3-moe", {"moe_intermediate_size": 64, "mlp_only_layers": [1]}, INT4_SYMMETRIC,
+                              "layers.1.mlp.gate_proj: a quantized MLP in a Qwen3-MoE dense layer"),
+    "experts-left-float": ("qwen3-moe", {"moe_intermediate_size": 64},
+                           {**INT4_SYMMETRIC, "passes": [{**INT4_SYMMETRIC["passes"][0],
+                                                          "modules_to_not_convert": ["lm_head", "experts.5"]}]},
+                           "3 expert linears kept in float"),
+}
+
+
+@pytest.mark.parametrize("name", list(ARCH_REFUSED))
+def test_pipeline_for_vllm_refuses_what_the_model_config_shows_before_any_work(tmp_path, monkeypatch, name):
+    from compiler.pipeline import PASSES
+
+    case, overrides, pipeline, words = ARCH_REFUSED[name]
+    tokenizer = make_byte_tokenizer()
+    checkpoint = tmp_path / "checkpoint"
+    make_arch_model(case, vocab_size=len(tokenizer), **overrides).save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    ran = []
+    for cls in PASSES.values():
+        monkeypatch.setattr(cls, "run", lambda self, *a, **k: ran.append(self.name))
+    with pytest.raises(PipelineValidationError) as e:
+        compile_for(checkpoint, pipeline, tmp_path / "artifact")
+    message = str(e.value)
+    assert words in message and "target 'vllm' cannot run" in message and "\n" not in message
+    assert ran == [] and not (tmp_path / "artifact").exists()
