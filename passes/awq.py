@@ -65,6 +65,7 @@ from compiler.pipeline.calibration import (
     TokenSampler,
     collect_block,
 )
+from compiler.pipeline.memory import converted_weights
 from passes.awq_mappings import (
     NO_CLIP,
     SMOOTHING,
@@ -108,7 +109,10 @@ class AWQPass(Pass):
         return "block"
 
     def working_memory(self, config, calibration, dtype_bytes, streamed):
-        return awq_working_memory(config, calibration, self.options, dtype_bytes)
+        terms = awq_working_memory(config, calibration, self.options, dtype_bytes)
+        if not streamed:  # 4-bit codes, and a scale and a zero point per group
+            terms["INT4 weights (every block)"] = converted_weights(config, 0.5 + (dtype_bytes + 1) / self.options.group_size)
+        return terms
 
     def stream(self, model: torch.nn.Module, context: PassContext) -> "AwqStream":
         return AwqStream(self, model, context)

@@ -66,7 +66,7 @@ from compiler.pipeline.calibration import (
     collect_block,
     collect_model,
 )
-from compiler.pipeline.memory import activation_terms, block_bytes, linear_inputs
+from compiler.pipeline.memory import activation_terms, converted_weights, linear_inputs
 from compiler.pipeline.selection import meta_model, select_linears
 from compiler.progress import track
 from compiler.quant.fp8 import (
@@ -218,11 +218,9 @@ class Fp8Pass(Pass):
                     "calibration statistics (one block)": per_block, **gptq}
         chunk = min(CALIBRATION_BATCH, samples) * calibration.seq_len
         forward = chunk * (3 * config.intermediate_size + 6 * config.dim + 2 * config.vocab_size) * 4
-        # every block's FP8 codes (a byte a weight) coexist with the float model until the compile ends
-        fp8_weights = config.n_layers * block_bytes(config, 1)[1]
         return {"calibration statistics (every block)": config.n_layers * per_block,
                 "model forward (one batch)": forward + chunk * config.n_heads * calibration.seq_len * 4,
-                "FP8 weights (every block)": fp8_weights, **gptq}
+                "FP8 weights (every block)": converted_weights(config, 1), **gptq}
 
     def stream(self, model: Transformer, context: PassContext) -> "Fp8Stream":
         return Fp8Stream(self, model, context)

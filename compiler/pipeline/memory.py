@@ -168,6 +168,12 @@ def activation_terms(config: ModelConfig, samples: int, seq_len: int, batch: int
     return {"calibration activations": 2 * hidden, "block forward": forward}
 
 
+def converted_weights(config: ModelConfig, bytes_per_weight: float) -> int:
+    """What an in-memory compile holds beside the float model by its end: every block's converted
+    weights (the float ones stay mapped from the checkpoint until the compile ends)."""
+    return int(config.n_layers * block_bytes(config, 1)[1] * bytes_per_weight)
+
+
 def linear_inputs(config: ModelConfig) -> list[int]:
     """The input widths of one dense decoder block's distinct linear inputs (q/k/v share one, gate/up one)."""
     return [config.dim, config.n_heads * config.head_dim, config.dim, config.intermediate_size]

@@ -17,6 +17,7 @@ from compiler.io.checkpoint import hf_config
 from compiler.io.stream import StreamedCheckpoint
 from compiler.pipeline import Pipeline, PipelineConfig
 from compiler.pipeline.compile import compile_model
+from compiler.model.transformer import Transformer
 from compiler.pipeline.memory import RUNTIME_BYTES, MemoryPlanError, format_size, parse_size, plan_memory
 
 TINY = dict(num_hidden_layers=3)  # conftest's tiny Llama otherwise: hidden 64, GQA 4 heads on 2
@@ -170,6 +171,20 @@ def test_the_plan_counts_a_quantized_lm_head(tiny_checkpoint_with_tokenizer, tie
     float_head, int4_head = awq_terms(), awq_terms(modules_to_not_convert=[])
     assert float_head["scale and clip search"] < int4_head["scale and clip search"] == 4 * 1024 * 64 * 4
     assert int4_head.get("untied lm_head") == (1024 * 64 * 4 if tied else None) and "untied lm_head" not in float_head
+
+
+@pytest.mark.parametrize("name, term, bytes_per_weight", [("awq", "INT4 weights (every block)", 0.5 + 5 / 32),  # g32
+                                                           ("fp8", "FP8 weights (every block)", 1)])
+def test_an_in_memory_plan_counts_the_converted_weights_beside_the_float_ones(tiny_checkpoint_with_tokenizer, name,
+                                                                             term, bytes_per_weight):
+    """In memory, the float weights stay mapped until the compile ends: the converted ones add to them."""
+    src, _ = tiny_checkpoint_with_tokenizer("llama", **TINY)
+    config = hf_config(src)
+    p = Pipeline(PipelineConfig.from_dict({"calibration": CALIB, "passes": PIPELINES[name]}))
+    in_memory, streamed = (plan_memory(p.passes, config, p.config.calibration, torch.float32, streamed=s).passes[name]
+                           for s in (False, True))
+    block = sum(t.numel() for t in Transformer(config).layers[0].parameters())
+    assert in_memory[term] == int(config.n_layers * block * bytes_per_weight) and term not in streamed
 
 
 def test_what_cannot_stream_says_why(tiny_checkpoint_with_tokenizer, tmp_path):
