@@ -4,9 +4,12 @@
     python benchmarks/awq_quality.py --model gemma3-270m --groups 128,64   # the second real model
     python benchmarks/awq_quality.py --groups 64 --samples 128 --windows 16
     python benchmarks/awq_quality.py --groups 64 --methods awq --set duo_scaling=all   # any awq option
+    python benchmarks/awq_quality.py --groups 128 --samples 32 --calibration pydoc,pydoc+stdlib-docs \
+        --corpora pydoc,stdlib-docs --split validation      # AWQ per calibration corpus, on validation windows
 
-Protocol: pydoc corpus, calibration ``--samples`` × 512 tokens (seed 0), perplexity on the first
-``--windows`` 512-token evaluation windows (``calib.protocol``). Each (method, group size) runs in
+Protocol: calibration ``--samples`` × 512 tokens (seed 0) of each of ``--calibration`` (default
+pydoc; ``a+b`` mixes corpora; one AWQ row per corpus), perplexity on the first ``--windows`` 512-token windows of each of ``--corpora``'
+``--split`` region (evaluation: reported figures; validation: choices) (``calib.protocol``). Each (method, group size) runs in
 its own subprocess so its wall time, CPU time (user + system, all threads) and peak RSS are its
 own. "AWQ share of RTN's increase" = (ppl_awq - ppl_float) / (ppl_rtn - ppl_float).
 """
@@ -29,7 +32,8 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_one(model_name: str, method: str, group_size: int, samples: int, windows: int, options: dict) -> dict:
+def run_one(model_name: str, method: str, group_size: int, samples: int, windows: int, options: dict,
+            calibration: str = "pydoc", corpora: tuple[str, ...] = ("pydoc",), split: str = "evaluation") -> dict:
     """Load ``model_name`` (a built-in model, a checkpoint path), quantize it with ``method`` (float | rtn | awq), evaluate; one JSON row."""
     import torch
 
@@ -47,7 +51,7 @@ def run_one(model_name: str, method: str, group_size: int, samples: int, windows
         for name, plan in plans.items():
             model.set_submodule(name, Int4Linear.from_float(model.get_submodule(name), plan.group_size))
     elif method == "awq":
-        config = PipelineConfig.from_dict({"calibration": {"samples": samples, "seq_len": 512},
+        config = PipelineConfig.from_dict({"calibration": {"corpus": calibration, "samples": samples, "seq_len": 512},
                                            "passes": [{"name": "awq", "group_size": group_size, **options}]})
         pipeline = Pipeline(config)
         pipeline.validate(model.config)
@@ -55,17 +59,19 @@ def run_one(model_name: str, method: str, group_size: int, samples: int, windows
         with torch.no_grad():
             pipeline.run(model, context)
     quant_wall, quant_cpu = time.perf_counter() - wall, _cpu_s() - cpu
-    ppl = evaluate_perplexity(loaded, "pydoc", windows)["ppl"]
+    ppl = {corpus: evaluate_perplexity(loaded, corpus, windows, split=split)["ppl"] for corpus in corpora}
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"model": model_name, "method": method, "group_size": group_size, "ppl": ppl, "quant_wall_s": quant_wall,
+    return {"model": model_name, "method": method, "group_size": group_size, "ppl": ppl[corpora[0]],
+            "ppl_by_corpus": ppl, "split": split, "calibration": calibration, "quant_wall_s": quant_wall,
             "quant_cpu_s": quant_cpu, "peak_rss_mib": peak_mib, "samples": samples, "windows": windows,
             "options": options}
 
 
-def _child(model_name: str, method: str, group_size: int, samples: int, windows: int, sets: list[str]) -> dict:
-    cmd = [sys.executable, __file__, "--model", model_name, "--one", f"{method}:{group_size}",
-           "--samples", str(samples), "--windows", str(windows)]
-    cmd += [a for kv in sets for a in ("--set", kv)]
+def _child(args, method: str, group_size: int, calibration: str) -> dict:
+    cmd = [sys.executable, __file__, "--model", args.model, "--one", f"{method}:{group_size}",
+           "--samples", str(args.samples), "--windows", str(args.windows), "--calibration", calibration,
+           "--corpora", args.corpora, "--split", args.split]
+    cmd += [a for kv in args.set for a in ("--set", kv)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:
         raise SystemExit(f"{method} g{group_size} failed:\n{proc.stderr[-3000:]}")
@@ -79,6 +85,10 @@ def main() -> None:
     ap.add_argument("--methods", default="rtn,awq")
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--calibration", default="pydoc",
+                    help="the AWQ rows' calibration corpora, comma-separated ('a+b' mixes corpora)")
+    ap.add_argument("--corpora", default="pydoc", help="the corpora perplexity is measured on, comma-separated")
+    ap.add_argument("--split", default="evaluation", choices=("evaluation", "validation"))
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an awq pass option for the AWQ rows (VALUE as JSON, else a string)")
@@ -86,12 +96,15 @@ def main() -> None:
     args = ap.parse_args()
     if args.one:
         method, g = args.one.split(":")
-        print(json.dumps(run_one(args.model, method, int(g), args.samples, args.windows, _options(args.set))))
+        print(json.dumps(run_one(args.model, method, int(g), args.samples, args.windows, _options(args.set),
+                                 args.calibration, tuple(args.corpora.split(",")), args.split)))
         return
-    jobs = [("float", 0)] + [(m, int(g)) for g in args.groups.split(",") for m in args.methods.split(",")]
+    calibrations = args.calibration.split(",")
+    jobs = [("float", 0, "pydoc")] + [(m, int(g), c) for g in args.groups.split(",") for m in args.methods.split(",")
+                                      for c in (calibrations if m == "awq" else ["pydoc"])]
     rows = []
-    for method, g in jobs:
-        rows.append(_child(args.model, method, g, args.samples, args.windows, args.set))
+    for method, g, calibration in jobs:
+        rows.append(_child(args, method, g, calibration))
         print(json.dumps(rows[-1]), flush=True)  # each row as soon as it exists
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
@@ -110,16 +123,24 @@ def _options(sets: list[str]) -> dict:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    base = rows[0]["ppl"]
-    rtn = {r["group_size"]: r["ppl"] for r in rows if r["method"] == "rtn"}
-    lines = ["| method | group size | perplexity | AWQ share of RTN's increase | quantize wall s | quantize CPU s | peak RSS MiB |",
-             "|---|---|---|---|---|---|---|"]
+    """One perplexity and AWQ-share column pair per corpus; share = (awq - float) / (rtn - float) at the group size."""
+    corpora = list(rows[0]["ppl_by_corpus"])
+    base = rows[0]["ppl_by_corpus"]
+    rtn = {r["group_size"]: r["ppl_by_corpus"] for r in rows if r["method"] == "rtn"}
+    header = "".join(f" {c} perplexity | {c} AWQ share of RTN's increase |" for c in corpora)
+    lines = [f"| method | group size | calibration |{header} quantize wall s | quantize CPU s | peak RSS MiB |",
+             "|---|---|---|" + "---|---|" * len(corpora) + "---|---|---|"]
     for r in rows:
         g = "-" if r["method"] == "float" else ("128 (64 where 128 does not divide)" if r["group_size"] == 128 else str(r["group_size"]))
-        share = ""
-        if r["method"] == "awq" and r["group_size"] in rtn:
-            share = f"{(r['ppl'] - base) / (rtn[r['group_size']] - base):.2f}"
-        lines.append(f"| {r['method']} | {g} | {r['ppl']:.3f} | {share} | {r['quant_wall_s']:.1f} | {r['quant_cpu_s']:.1f} | {r['peak_rss_mib']:.0f} |")
+        cells = ""
+        for c in corpora:
+            ppl, share = r["ppl_by_corpus"][c], ""
+            if r["method"] == "awq" and r["group_size"] in rtn:
+                share = f"{(ppl - base[c]) / (rtn[r['group_size']][c] - base[c]):.2f}"
+            cells += f" {ppl:.3f} | {share} |"
+        calibration = f"{r['samples']} × {r['calibration']}" if r["method"] == "awq" else ""
+        lines.append(f"| {r['method']} | {g} | {calibration} |{cells} {r['quant_wall_s']:.1f} | {r['quant_cpu_s']:.1f} | "
+                     f"{r['peak_rss_mib']:.0f} |")
     return "\n".join(lines)
 
 

@@ -2,7 +2,7 @@
 
 The bottom layer: it imports nothing from the rest of qcompile.
 """
-from calib.corpus import CorpusError, load_corpus_text
+from calib.corpus import CorpusError, corpus_parts, load_corpus_text
 from calib.perplexity import perplexity
 from calib.protocol import (
     SPLITS,
@@ -15,6 +15,7 @@ from calib.protocol import (
 
 __all__ = [
     "CorpusError",
+    "corpus_parts",
     "load_corpus_text",
     "SPLITS",
     "CalibrationConfig",

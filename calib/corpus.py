@@ -8,6 +8,9 @@ A corpus spec is one string:
     is downloaded;
   - a ``.txt`` file; a folder of ``.txt`` files (sorted by name, joined by blank lines);
   - a ``.jsonl`` file, optionally as ``file.jsonl:field`` (default field ``text``).
+
+For calibration, ``a+b`` mixes corpora: each is split by the protocol on its own, and the
+calibration windows are drawn in equal shares from their pools (``calib.protocol``).
 """
 from __future__ import annotations
 
@@ -65,6 +68,17 @@ def _jsonl_text(path: Path, field: str) -> str:
     return "\n\n".join(texts)
 
 
+def corpus_parts(spec: str) -> list[str]:
+    """The corpora a calibration spec mixes: ``pydoc+stdlib-docs`` -> both; an existing path
+    holding '+' names one corpus."""
+    if "+" not in spec or Path(spec).exists():
+        return [spec]
+    parts = spec.split("+")
+    if any(not p for p in parts):
+        raise CorpusError(f"corpus {spec!r}: an empty name in the mixture; join corpora as 'pydoc+stdlib-docs'")
+    return parts
+
+
 def load_corpus_text(spec: str) -> str:
     """Return the whole text of the corpus named by ``spec`` (see module docstring)."""
     if spec == "pydoc":
@@ -72,6 +86,9 @@ def load_corpus_text(spec: str) -> str:
     if spec == "stdlib-docs":
         return docstring_text(STDLIB_MODULES)
     path_part, _, field = spec.partition(".jsonl:")
+    if "+" in spec and not Path(path_part).exists():
+        raise CorpusError(f"corpus {spec!r} mixes corpora, which only [calibration] corpus does; name one corpus here "
+                          "(distill mixes its training corpora with train_corpora)")
     if field:
         path, field = Path(path_part + ".jsonl"), field
     else:

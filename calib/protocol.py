@@ -56,8 +56,15 @@ def split_tokens(token_ids: torch.Tensor | list[int]) -> TokenSplit:
     return TokenSplit(pool=ids[:cut], evaluation=ids[cut:val], validation=ids[val:])
 
 
-def calibration_windows(pool: torch.Tensor, samples: int, seq_len: int, seed: int) -> torch.Tensor:
-    """``samples`` windows of ``seq_len`` tokens drawn from the pool with a seeded generator -> [samples, seq_len]."""
+def calibration_windows(pool: torch.Tensor | list[torch.Tensor], samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """``samples`` windows of ``seq_len`` tokens drawn from the pool with a seeded generator -> [samples, seq_len].
+    Several pools (a mixture of corpora): an equal share from each, the first ones taking the remainder."""
+    pools = [pool] if isinstance(pool, torch.Tensor) else list(pool)
+    shares = [samples // len(pools) + (i < samples % len(pools)) for i in range(len(pools))]
+    return torch.cat([_windows(p, n, seq_len, seed) for p, n in zip(pools, shares) if n])
+
+
+def _windows(pool: torch.Tensor, samples: int, seq_len: int, seed: int) -> torch.Tensor:
     if len(pool) < seq_len:
         raise ValueError(f"calibration pool has {len(pool)} tokens, fewer than seq_len={seq_len}; use a larger corpus or a shorter seq_len")
     gen = torch.Generator().manual_seed(seed)

@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from calib import CalibrationConfig, calibration_windows, load_corpus_text, split_tokens
+from calib import CalibrationConfig, calibration_windows, corpus_parts, load_corpus_text, split_tokens
 from calib.protocol import TokenSplit
 from compiler.errors import (
     ConfigError,
@@ -94,20 +94,21 @@ class PassContext:
     manifest_extras: dict[str, Any] = field(default_factory=dict)  # e.g. the serving plan
     history: list[str] = field(default_factory=list)  # names of passes already run
     statistics: StatisticsCache = field(default_factory=StatisticsCache)
-    _split: TokenSplit | None = None
+    _splits: list[TokenSplit] | None = None
 
-    def token_split(self) -> TokenSplit:
-        """The corpus tokenized once and split by the calibration protocol."""
-        if self._split is None:
+    def token_splits(self) -> list[TokenSplit]:
+        """Each corpus of the calibration spec (``a+b`` mixes them) tokenized once and split by the protocol."""
+        if self._splits is None:
             if self.tokenizer is None:
                 raise ConfigError("calibration needs a tokenizer, and this checkpoint ships none")
-            text = load_corpus_text(self.calibration.corpus)
-            self._split = split_tokens(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return self._split
+            texts = [load_corpus_text(part) for part in corpus_parts(self.calibration.corpus)]
+            self._splits = [split_tokens(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        return self._splits
 
     def calibration_windows(self, samples: int | None = None, seq_len: int | None = None) -> torch.Tensor:
         c = self.calibration
-        return calibration_windows(self.token_split().pool, samples or c.samples, seq_len or c.seq_len, c.seed)
+        pools = [split.pool for split in self.token_splits()]
+        return calibration_windows(pools, samples or c.samples, seq_len or c.seq_len, c.seed)
 
     def input_statistics(self, model: torch.nn.Module, windows: torch.Tensor, requests: dict[str, InputRequest],
                          kv_heads: bool = False, label: str = "calibrating", batch_size: int = 4) -> CalibrationStatistics:

@@ -8,6 +8,7 @@ import torch
 from calib import (
     CorpusError,
     calibration_windows,
+    corpus_parts,
     evaluation_windows,
     load_corpus_text,
     perplexity,
@@ -80,6 +81,28 @@ def test_split_and_windows():
     assert w[0, 0].item() == 700 and w[1, 0].item() == 764
     with pytest.raises(ValueError, match="fewer than the 3"):
         evaluation_windows(split.evaluation, 3, eval_len=64)
+
+
+def test_a_mixture_draws_equal_shares_from_each_pool_and_never_from_their_held_out_regions():
+    a, b = split_tokens(list(range(1000))), split_tokens(list(range(10_000, 12_000)))
+    mixed = calibration_windows([a.pool, b.pool], 7, 64, seed=3)
+    first, second = mixed[:4], mixed[4:]  # 7 = 4 + 3: the first pool takes the remainder
+    assert torch.equal(first, calibration_windows(a.pool, 4, 64, seed=3))
+    assert torch.equal(second, calibration_windows(b.pool, 3, 64, seed=3))
+    assert int(first.max()) < 700 and 10_000 <= int(second.min()) and int(second.max()) < 11_400
+    assert torch.equal(calibration_windows([a.pool], 5, 64, seed=3), calibration_windows(a.pool, 5, 64, seed=3))
+
+
+def test_corpus_parts(tmp_path):
+    assert corpus_parts("pydoc") == ["pydoc"] and corpus_parts("pydoc+stdlib-docs") == ["pydoc", "stdlib-docs"]
+    plus = tmp_path / "c++.txt"
+    plus.write_text("text")
+    assert corpus_parts(str(plus)) == [str(plus)]  # an existing path is one corpus
+    with pytest.raises(CorpusError, match="an empty name in the mixture"):
+        corpus_parts("pydoc+")
+    assert load_corpus_text(str(plus)) == "text"
+    with pytest.raises(CorpusError, match="mixes corpora, which only \\[calibration\\] corpus does"):
+        load_corpus_text("pydoc+stdlib-docs")  # evaluation and distillation read one corpus
 
 
 def test_validation_region_is_apart_from_the_reported_one():

@@ -132,3 +132,18 @@ def test_reports_carry_options_and_time():
     p = pipeline([{"name": "test_claim_a", "group_size": 32}])
     reports = p.run(torch.nn.Linear(2, 2), PassContext(tokenizer=None, calibration=p.config.calibration))
     assert reports[0].options["group_size"] == 32 and reports[0].wall_time_s >= 0 and reports[0].metrics == {"layers": 1}
+
+
+def test_a_mixed_calibration_corpus_draws_half_its_windows_from_each(byte_tokenizer):
+    from calib import CalibrationConfig, load_corpus_text, split_tokens
+
+    context = PassContext(byte_tokenizer, CalibrationConfig(corpus="pydoc+stdlib-docs", samples=6, seq_len=32))
+    windows = context.calibration_windows()
+    pools = [split_tokens(byte_tokenizer(load_corpus_text(c), add_special_tokens=False)["input_ids"]).pool
+             for c in ("pydoc", "stdlib-docs")]
+
+    def inside(window, pool):
+        return any(torch.equal(pool[i : i + len(window)], window) for i in torch.nonzero(pool == window[0]).flatten())
+
+    assert windows.shape == (6, 32)
+    assert all(inside(w, pools[0]) for w in windows[:3]) and all(inside(w, pools[1]) for w in windows[3:])
