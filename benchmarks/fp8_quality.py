@@ -9,6 +9,7 @@ variants more steadily than a perplexity change of a few tenths of a percent doe
     python benchmarks/fp8_quality.py --windows 16 --samples 16
     python benchmarks/fp8_quality.py --only w8a8-dynamic kv-e4m3   # a subset
     python benchmarks/fp8_quality.py --split validation --corpora pydoc,stdlib-docs   # to choose on
+    python benchmarks/fp8_quality.py --split validation --corpora pydoc,stdlib-docs --calibration pydoc+stdlib-docs
     python benchmarks/fp8_quality.py --model gemma3-270m --only w8a8-dynamic          # the second real model
 """
 from __future__ import annotations
@@ -64,8 +65,8 @@ VARIANTS = {  # the issue's four figures first, then the other options
 }
 
 
-def variant_config(options: dict | None, samples: int) -> PipelineConfig:
-    d = {"calibration": {"corpus": "pydoc", "samples": samples, "seq_len": 512, "seed": 0}}
+def variant_config(options: dict | None, samples: int, calibration: str = "pydoc") -> PipelineConfig:
+    d = {"calibration": {"corpus": calibration, "samples": samples, "seq_len": 512, "seed": 0}}
     d["passes"] = [] if options is None else [{"name": "fp8", **options}]
     return PipelineConfig.from_dict(d)
 
@@ -92,7 +93,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=16, help="per corpus (stdlib-docs holds 15 per region)")
     ap.add_argument("--samples", type=int, default=16, help="calibration windows of 512 tokens")
     ap.add_argument("--only", nargs="*", choices=list(VARIANTS), help="variants besides float")
-    ap.add_argument("--corpora", default="pydoc", help="comma-separated held-out corpora (calibration is pydoc's pool)")
+    ap.add_argument("--corpora", default="pydoc", help="comma-separated held-out corpora")
+    ap.add_argument("--calibration", default="pydoc", help="the calibration corpus ('a+b' mixes corpora)")
     ap.add_argument("--split", default="evaluation", choices=SPLITS,
                     help="validation to choose settings on, evaluation for figures that are reported")
     ap.add_argument("--json", type=Path, help="also write the rows here")
@@ -107,7 +109,7 @@ def main() -> None:
             start = time.perf_counter()
             variant = copy.copy(source)
             variant.model = copy.deepcopy(source.model)
-            result = compile_loaded(variant, variant_config(VARIANTS[label], args.samples), Path(tmp) / label)
+            result = compile_loaded(variant, variant_config(VARIANTS[label], args.samples, args.calibration), Path(tmp) / label)
             compile_s = time.perf_counter() - start
             model = load_artifact(result.path).model
             summary = artifact_summary(result.path)
@@ -116,7 +118,7 @@ def main() -> None:
             for corpus, (windows, reference) in sets.items():
                 scores = compare_on_windows(source.model, model, windows, reference=reference,
                                             batch_size=4 if reference is not None else 1)
-                rows.append({"variant": label, "corpus": corpus, "windows": len(windows), "ppl": scores["ppl_student"],
+                rows.append({"variant": label, "calibration": args.calibration, "corpus": corpus, "windows": len(windows), "ppl": scores["ppl_student"],
                              "kl": scores["kl"], "top1": scores["top1_agreement"],
                              "mib": summary["size"]["weights_bytes"] / 2**20, "fp8_layers": len(fp8),
                              "fallback": metrics.get("fallback", 0),
