@@ -13,11 +13,12 @@ the ``weights`` / ``input_activations`` quantization args and the on-disk ``form
     FP8 KV cache (manifest)     -> kv_cache_scheme   float 8-bit, per tensor, static (k_scale / v_scale)
 
 ``check_module`` says, for one manifest entry, why no stock vLLM kernel runs it (or None);
-``check_plan`` the same for what no single entry shows: the architecture (``check_model``), the model dtype, the layer sets vLLM
-fuses into one GEMM (q/k/v, gate/up), which must share one scheme (``check_fused``), and the
-FP8 KV cache (``check_kv_cache``), and a mixture-of-experts layer's experts, which vLLM runs as one
-FusedMoE of one scheme (``check_experts``; its CPU MoE kernels take symmetric INT4 experts, group
-size other than 32, and no per-channel FP8). Every message names the option and what to use instead.
+``check_plan`` the same for what no single entry shows: the architecture and its dtype
+(``check_model``), the model dtype, the layer sets vLLM fuses into one GEMM (q/k/v, gate/up),
+which must share one scheme (``check_fused``), the FP8 KV cache (``check_kv_cache``), and a
+mixture-of-experts layer's experts, which vLLM runs as one FusedMoE of one scheme
+(``check_experts``; its CPU MoE kernels take symmetric INT4 experts, group size other than 32,
+and no per-channel FP8; a Qwen3-MoE dense layer's MLP stays float, ``check_dense_layers``). Every message names the option and what to use instead.
 """
 from __future__ import annotations
 

@@ -229,6 +229,11 @@ class _Hooks:
             self.stats[name].add(x, sample)
         return record
 
+    def trim_after(self, blocks) -> None:
+        """Hand each block's freed activations back to the kernel once it has run, so that the
+        peak of a whole-model forward is the live statistics, not every block's leftovers."""
+        self._handles += [block.register_forward_hook(lambda *_: trim_heap()) for block in blocks]
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
@@ -274,8 +279,7 @@ def _collect_model(model, windows, requests, kv_heads, batch_size, label, sample
     device = next(model.parameters()).device
     batches = windows.split(batch_size)
     hooks.sampler = sampler
-    # each block's freed activations back to the kernel: the peak stays the live statistics
-    hooks._handles += [layer.register_forward_hook(lambda *_: trim_heap()) for layer in model.layers]
+    hooks.trim_after(model.layers)
     try:
         for batch in track(batches, label, total=len(batches)):
             hooks.sample, hooks.chunk_tokens = (sampler.draw(batch.numel()) if draws else None), batch.numel()
