@@ -1,17 +1,18 @@
-"""AWQ vs round-to-nearest INT4 on SmolLM2-135M (or ``--model``): perplexity, quantization time, peak memory.
+r"""AWQ vs round-to-nearest INT4 on SmolLM2-135M (or ``--model``): perplexity, quantization time, peak memory.
 
     python benchmarks/awq_quality.py                       # float, RTN and AWQ at g128-fallback, g64, g32
     python benchmarks/awq_quality.py --model gemma3-270m --groups 128,64   # the second real model
     python benchmarks/awq_quality.py --groups 64 --samples 128 --windows 16
     python benchmarks/awq_quality.py --groups 64 --methods awq --set duo_scaling=all   # any awq option
-    python benchmarks/awq_quality.py --groups 128 --samples 32 --calibration pydoc,pydoc+stdlib-docs \
-        --corpora pydoc,stdlib-docs --split validation      # AWQ per calibration corpus, on validation windows
+    python benchmarks/awq_quality.py --groups 128 --samples 32 --windows 15 --split validation \
+        --calibration pydoc,pydoc+stdlib-docs --corpora pydoc,stdlib-docs   # calibration corpora, to choose on
 
 Protocol: calibration ``--samples`` × 512 tokens (seed 0) of each of ``--calibration`` (default
-pydoc; ``a+b`` mixes corpora; one AWQ row per corpus), perplexity on the first ``--windows`` 512-token windows of each of ``--corpora``'
-``--split`` region (evaluation: reported figures; validation: choices) (``calib.protocol``). Each (method, group size) runs in
-its own subprocess so its wall time, CPU time (user + system, all threads) and peak RSS are its
-own. "AWQ share of RTN's increase" = (ppl_awq - ppl_float) / (ppl_rtn - ppl_float).
+pydoc; ``a+b`` mixes corpora; one AWQ row per corpus), perplexity on the first ``--windows``
+512-token windows of the ``--split`` region (evaluation: reported figures; validation: choices)
+of each of ``--corpora`` (``calib.protocol``). Each (method, group size) runs in its own
+subprocess so its wall time, CPU time (user + system, all threads) and peak RSS are its own.
+"AWQ share of RTN's increase" = (ppl_awq - ppl_float) / (ppl_rtn - ppl_float).
 """
 from __future__ import annotations
 
