@@ -109,8 +109,9 @@ def main() -> None:
             path = Path(work) / name.replace(" ", "-")
             make_checkpoint(path, overrides)
             ref, got = transformers_run(path), vllm_run(path, Path(work) / f"{path.name}.log")
-            results[name] = {"transformers": ref, "vllm": got, **compare(ref, got)}
-            print(f"{name}: " + json.dumps(compare(ref, got)))
+            summary = compare(ref, got)
+            results[name] = {"transformers": ref, "vllm": got, **summary}
+            print(f"{name}: " + json.dumps(summary))
     if args.output_json:
         args.output_json.write_text(json.dumps({"prompt": PROMPT, "greedy_prompts": GREEDY_PROMPTS, "mla": MLA,
                                                 "checkpoints": results}, indent=1) + "\n")

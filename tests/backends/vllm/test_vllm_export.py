@@ -174,18 +174,23 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize("pipeline, words", REFUSED, ids=[w for _, w in REFUSED])
-def test_pipeline_for_vllm_is_refused_before_any_work(checkpoint, tmp_path, monkeypatch, pipeline, words):
+def assert_refused_before_any_work(monkeypatch, checkpoint, pipeline: dict, out, words: str) -> None:
+    """Compiling ``checkpoint`` for vllm stops with a one-line error holding ``words``, no pass run."""
     from compiler.pipeline import PASSES
 
     ran = []
     for cls in PASSES.values():
         monkeypatch.setattr(cls, "run", lambda self, *a, **k: ran.append(self.name))
     with pytest.raises(PipelineValidationError) as e:
-        compile_for(checkpoint, pipeline, tmp_path / "artifact")
+        compile_for(checkpoint, pipeline, out)
     message = str(e.value)
     assert words in message and "target 'vllm' cannot run" in message and "\n" not in message
-    assert ran == [] and not (tmp_path / "artifact").exists()
+    assert ran == [] and not out.exists()
+
+
+@pytest.mark.parametrize("pipeline, words", REFUSED, ids=[w for _, w in REFUSED])
+def test_pipeline_for_vllm_is_refused_before_any_work(checkpoint, tmp_path, monkeypatch, pipeline, words):
+    assert_refused_before_any_work(monkeypatch, checkpoint, pipeline, tmp_path / "artifact", words)
 
 
 @pytest.mark.parametrize("pipeline, words", [
@@ -322,18 +327,9 @@ ARCH_REFUSED = {
 
 @pytest.mark.parametrize("name", list(ARCH_REFUSED))
 def test_pipeline_for_vllm_refuses_what_the_model_config_shows_before_any_work(tmp_path, monkeypatch, name):
-    from compiler.pipeline import PASSES
-
     case, overrides, pipeline, words = ARCH_REFUSED[name]
     tokenizer = make_byte_tokenizer()
     checkpoint = tmp_path / "checkpoint"
     make_arch_model(case, vocab_size=len(tokenizer), **overrides).save_pretrained(checkpoint)
     tokenizer.save_pretrained(checkpoint)
-    ran = []
-    for cls in PASSES.values():
-        monkeypatch.setattr(cls, "run", lambda self, *a, **k: ran.append(self.name))
-    with pytest.raises(PipelineValidationError) as e:
-        compile_for(checkpoint, pipeline, tmp_path / "artifact")
-    message = str(e.value)
-    assert words in message and "target 'vllm' cannot run" in message and "\n" not in message
-    assert ran == [] and not (tmp_path / "artifact").exists()
+    assert_refused_before_any_work(monkeypatch, checkpoint, pipeline, tmp_path / "artifact", words)
