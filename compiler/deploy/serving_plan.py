@@ -24,7 +24,9 @@ KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": to
 class ServingPlan:
     """Paged-KV and batching settings. ``kv_dtype="auto"``: the model's dtype, or the FP8 cache
     the artifact declares (``manifest["kv_cache"]``). ``num_blocks``, when set, wins over ``kv_memory_mb``.
-    ``fuse_projections``: the engine runs q/k/v and gate/up as one matmul each (``compiler/model/fusion.py``)."""
+    ``fuse_projections``: the engine runs q/k/v and gate/up as one matmul each (``compiler/model/fusion.py``).
+    ``pack_cpu_weights``: on the CPU, float32 linear layers also keep a oneDNN-packed copy of their
+    weight for batches of 4+ rows (``compiler/kernels/dense_cpu.py``: 4 bytes a weight more)."""
 
     block_size: int = 16
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16", "float8_e4m3fn"] = "auto"
@@ -34,6 +36,7 @@ class ServingPlan:
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     fuse_projections: bool = True
+    pack_cpu_weights: bool = True
     version: int = 1
 
     def __post_init__(self):

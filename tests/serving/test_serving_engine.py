@@ -66,6 +66,18 @@ def test_greedy_matches_reference_with_staggered_arrivals(tiny_model, arch, over
     assert (cached > 0) == caching
 
 
+@pytest.mark.parametrize("pack", [True, False])
+def test_packed_cpu_weights_keep_greedy_outputs(tiny_model, pack):
+    loaded = tiny_model()
+    prompts = prompts_of([5, 17, 9, 30])
+    want = [reference(loaded.model, p, GREEDY.max_tokens) for p in prompts]
+    engine = Engine.from_loaded(loaded, "cpu", block_size=4, num_blocks=96, pack_cpu_weights=pack)
+    packed = engine.packing.get("packed", [])
+    # every float projection of the tiny llama (fused q/k/v and gate/up, o, down) and the head
+    assert len(packed) == (4 * engine.config.n_layers + 1 if pack else 0), packed
+    assert run_staggered(engine, prompts, every=1) == want
+
+
 def test_preemption_recomputes_and_keeps_outputs(tiny_model):
     loaded = tiny_model()
     prompts = prompts_of([10, 14, 7, 11, 9], seed=1)
