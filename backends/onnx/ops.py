@@ -85,9 +85,11 @@ def rms_norm(b: GraphBuilder, x: str, module: nn.Module, name: str) -> str:
     ``GemmaRMSNorm``, its weights stored as offsets from 1) times (offset + weight) in float32
     before the cast."""
     h = b.op("Cast", [x], name, to=TensorProto.FLOAT) if b.dtype != "float32" else x
-    ms = b.op("ReduceMean", [b.op("Mul", [h, h], name)], name, axes=[-1], keepdims=1)
+    # Pow -> ReduceMean -> Add -> Sqrt -> Div (-> Mul by the weight) is the pattern ONNX Runtime's
+    # optimizer fuses into one SimplifiedLayerNormalization kernel (seven nodes -> one, per norm).
+    ms = b.op("ReduceMean", [b.op("Pow", [h, b.const(np.float32(2.0), name, np.float32)], name)], name, axes=[-1], keepdims=1)
     eps = b.const(np.float32(module.eps), name, np.float32)
-    h = b.op("Mul", [h, b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [ms, eps], name)], name)], name)], name)
+    h = b.op("Div", [h, b.op("Sqrt", [b.op("Add", [ms, eps], name)], name)], name)
     if module.weight_offset:
         gain = b.weight(f"{name}.offset_weight", (module.weight.detach().float() + module.weight_offset).numpy(), np.float32)
         h = b.op("Mul", [h, gain], name)

@@ -60,6 +60,25 @@ def test_checker_opset_and_external_data(lowered):
     assert (out / WEIGHTS_FILE).stat().st_size > 0.5 * weights
 
 
+def test_onnx_runtime_fuses_the_norms_and_the_cache_is_written_once(lowered, tmp_path):
+    """What keeps the decode step fast in ONNX Runtime: every RMSNorm fuses into one
+    SimplifiedLayerNormalization, and each present cache comes straight from the op that writes it
+    (ScatterElements at decode, Pad at prefill), not through a copying Identity or Slice + Concat."""
+    import onnxruntime as ort
+
+    loaded, out = lowered
+    n_norms = 2 * loaded.model.config.n_layers + 1
+    for name, writer in ((PREFILL_FILE, "Pad"), (DECODE_FILE, "ScatterElements")):
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(tmp_path / f"optimized-{name}")
+        ort.InferenceSession(str(out / name), options, providers=["CPUExecutionProvider"])
+        graph = onnx.load(options.optimized_model_filepath, load_external_data=False).graph
+        ops = [n.op_type for n in graph.node]
+        assert ops.count("SimplifiedLayerNormalization") == n_norms and "ReduceMean" not in ops
+        producers = {o: n.op_type for n in graph.node for o in n.output}
+        assert {producers[o.name] for o in graph.output if o.name.startswith("present_")} == {writer}
+
+
 def test_int4_layers_are_matmulnbits_from_packed_buffers(lowered):
     loaded, out = lowered
     model = onnx.load(str(out / PREFILL_FILE))
