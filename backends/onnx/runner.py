@@ -1,8 +1,11 @@
 """Run an ONNX bundle with ONNX Runtime, keeping the KV cache across decode steps.
 
-The cache lives in two sets of OrtValues bound with IO binding: each decode step reads one set
-as ``past_*`` and writes the other as ``present_*``, then the two swap — no copy of the cache
-through numpy between steps.
+The cache lives in one set of OrtValues bound with IO binding as both ``past_*`` and
+``present_*`` of each decode step: the decode graph writes a step's new rows with ScatterElements,
+whose ONNX Runtime kernel skips its copy of the data when the output is the input's buffer
+(``src_base != dst_base`` in its CPU kernel), so a step writes its new rows in place rather than a
+whole new cache (SmolLM2 INT4: 12.0 -> 10.3 ms per decode step against two swapped sets; the
+outputs are bit for bit the same, tests/backends/onnx).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ class OnnxRunner:
         self.prefill_session = ort.InferenceSession(str(self.dir / PREFILL_FILE), options, providers=providers)
         self.decode_session = ort.InferenceSession(str(self.dir / DECODE_FILE), options, providers=providers)
         self.length = 0
-        self._caches: list[list] = []
+        self._cache: list = []  # past_key.0, past_value.0, past_key.1, ...
 
     def _new_cache(self, batch: int) -> list:
         import onnxruntime as ort
@@ -49,11 +52,11 @@ class OnnxRunner:
         """Logits [B, T, V] for prompts [B, T]; the cache then holds them."""
         batch, seq = input_ids.shape
         self._check_room(seq, 0)
-        self._caches = [self._new_cache(batch), self._new_cache(batch)]
+        self._cache = self._new_cache(batch)
         binding = self.prefill_session.io_binding()
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, np.int64))
         binding.bind_output("logits")  # first, so get_outputs()[0] is the logits
-        for name, value in zip(self._cache_names("present"), self._caches[0]):
+        for name, value in zip(self._cache_names("present"), self._cache):
             binding.bind_ortvalue_output(name, value)
         self.prefill_session.run_with_iobinding(binding)
         self.length = seq
@@ -61,21 +64,18 @@ class OnnxRunner:
 
     def decode(self, input_ids: np.ndarray) -> np.ndarray:
         """Logits [B, T, V] for the next tokens [B, T] (usually T = 1) at positions length.."""
-        if not self._caches:
+        if not self._cache:
             raise ConfigError("decode() before prefill(): run the prompt through prefill first")
         seq = input_ids.shape[1]
         self._check_room(seq, self.length)
-        past, present = self._caches
         binding = self.decode_session.io_binding()
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, np.int64))
         binding.bind_output("logits")  # first, so get_outputs()[0] is the logits
         binding.bind_cpu_input("past_len", np.array([self.length], np.int64))
-        for name, value in zip(self._cache_names("past"), past):
-            binding.bind_ortvalue_input(name, value)
-        for name, value in zip(self._cache_names("present"), present):
-            binding.bind_ortvalue_output(name, value)
+        for past, present, value in zip(self._cache_names("past"), self._cache_names("present"), self._cache):
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)  # in place: see the module docstring
         self.decode_session.run_with_iobinding(binding)
-        self._caches = [present, past]
         self.length += seq
         return binding.get_outputs()[0].numpy()
 
