@@ -43,13 +43,15 @@ LOWERED_ENTRIES = frozenset({"kv_cache", "serving"})
 @dataclass(frozen=True)
 class OnnxExportOptions:
     """``max_len``: cache length; ``dtype``: float32|float16; ``batch``: static batch or None;
-    ``accuracy_level``: MatMulNBits' (``backends/onnx/graph.py``)."""
+    ``accuracy_level``: MatMulNBits' (``backends/onnx/graph.py``); ``fused_rotary``: GraphSpec's."""
 
     max_len: int = 1024
     dtype: str = "float32"
     batch: int | None = None
     dequantize: bool = False  # export quantized layers as float (dequantized) weights
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL
+    # com.microsoft RotaryEmbedding for ONNX Runtime; the dequantized (ATC-ready) graphs keep to standard ops
+    fused_rotary: bool = True
 
     def validate(self, model: Transformer) -> None:
         arch = model.config.architecture
@@ -106,7 +108,7 @@ def export_graphs(model: Transformer, opts: OnnxExportOptions) -> tuple[onnx.Mod
     """The prefill and decode ModelProtos (weights inline)."""
     opts.validate(model)
     common = dict(max_len=opts.max_len, dtype=opts.dtype, batch=opts.batch, dequantize=opts.dequantize,
-                  accuracy_level=opts.accuracy_level)
+                  accuracy_level=opts.accuracy_level, fused_rotary=opts.fused_rotary and not opts.dequantize)
     prefill = build_graph(model, GraphSpec("prefill", **common))  # T dynamic (ATC: gears)
     decode = build_graph(model, GraphSpec("decode", seq=1 if opts.batch is not None else None, **common))
     return prefill, decode

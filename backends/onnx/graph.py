@@ -35,7 +35,7 @@ import torch.nn as nn
 from onnx import TensorProto, helper
 
 from backends.onnx.ffn import feed_forward
-from backends.onnx.ops import MS_DOMAIN, ONNX_DTYPES, OPSET, GraphBuilder, linear, rms_norm, rope
+from backends.onnx.ops import MS_DOMAIN, ONNX_DTYPES, OPSET, GraphBuilder, fused_rope, linear, rms_norm, rope
 from compiler.errors import ConfigError
 from compiler.formats.fp8_kv import Fp8KVQuant
 from compiler.model.transformer import Transformer
@@ -58,7 +58,8 @@ class GraphSpec:
 
     ``dequantize`` exports every quantized layer as a float MatMul of its dequantized weight
     (the Ascend path); otherwise INT4 layers become com.microsoft ``MatMulNBits`` with
-    ``accuracy_level`` (``MATMULNBITS_ACCURACY_LEVELS``).
+    ``accuracy_level`` (``MATMULNBITS_ACCURACY_LEVELS``). ``fused_rotary``: the rotary embedding as
+    com.microsoft RotaryEmbedding (``ops.fused_rope``), for ONNX Runtime; else standard ops.
     """
 
     kind: str
@@ -68,6 +69,7 @@ class GraphSpec:
     seq: int | None = None
     dequantize: bool = False
     accuracy_level: int = 0
+    fused_rotary: bool = False
 
 
 # -- FP8 KV cache -------------------------------------------------------------------------
@@ -177,17 +179,26 @@ class DecoderGraph:
         self._positions_out = b.op("Add", [pos, "past_len"], "/positions") if self.decode else pos
         return self._positions_out
 
-    def _rope_tables(self, positions: str) -> list[tuple[str, str]]:
-        """(cos, sin) [T, D] for each RoPE base the model has (``Attention.rope_index``: Gemma 3's
+    def _rope_tables(self, positions: str) -> list[tuple[str, str, bool]]:
+        """(cos, sin, fused) for each RoPE base the model has (``Attention.rope_index``: Gemma 3's
         sliding layers read table 1). The tables are the torch model's own rope() over every cache
-        position, so values match bit for bit."""
+        position, so values match bit for bit. ``fused``: com.microsoft RotaryEmbedding's half tables
+        [L, D / 2], read at this call's offset (one op per q or k instead of six); else this call's rows
+        of the full tables, [T, D]. A table whose two halves differ (not rotate-half RoPE) is never fused."""
         table_pos = torch.arange(self.spec.max_len)[None]
         cos, sin = self.model.rope(table_pos, torch.float32)  # [1, R, L, D]
-        b, tables = self.b, []
+        b, tables, half = self.b, [], cos.shape[-1] // 2
         for r in range(cos.shape[1]):
             suffix = "" if r == 0 else f".{r}"
-            cos_t, sin_t = b.fweight(f"rope.cos{suffix}", cos[0, r]), b.fweight(f"rope.sin{suffix}", sin[0, r])
-            tables.append((b.op("Gather", [cos_t, positions], "/rope", axis=0), b.op("Gather", [sin_t, positions], "/rope", axis=0)))
+            c, s = cos[0, r], sin[0, r]
+            if self.spec.fused_rotary and c.shape[-1] == self.c.head_dim and all(
+                    torch.equal(t[:, :half], t[:, half:]) for t in (c, s)):
+                tables.append((b.fweight(f"rope.cos_half{suffix}", c[:, :half]),
+                               b.fweight(f"rope.sin_half{suffix}", s[:, :half]), True))
+                continue
+            cos_t, sin_t = b.fweight(f"rope.cos{suffix}", c), b.fweight(f"rope.sin{suffix}", s)
+            tables.append((b.op("Gather", [cos_t, positions], "/rope", axis=0),
+                           b.op("Gather", [sin_t, positions], "/rope", axis=0), False))
         return tables
 
     def _mask(self, positions: str, window: int | None) -> str:
@@ -209,12 +220,12 @@ class DecoderGraph:
         return self._masks[window]
 
     # -- one decoder layer ------------------------------------------------------------------
-    def _layer(self, x: str, layer: nn.Module, i: int, rope_table: tuple[str, str], mask: str) -> tuple[str, list[str]]:
+    def _layer(self, x: str, layer: nn.Module, i: int, rope_table: tuple[str, str, bool], mask: str) -> tuple[str, list[str]]:
         """One ``DecoderLayer``: pre-norm attention and feed-forward on the residual stream; with
         Gemma's sandwich norms each sub-block's output is normalised before its add."""
         b, p = self.b, f"layers.{i}"
         attn_out, present = self._attention(rms_norm(b, x, layer.input_layernorm, f"{p}.input_layernorm"),
-                                            layer.self_attn, i, *rope_table, mask)
+                                            layer.self_attn, i, rope_table, mask)
         ffn_scope = f"{p}.{layer.ffn_name}"
         act = self.c.spec.activation
         if layer.sandwich:
@@ -234,7 +245,7 @@ class DecoderGraph:
         x = b.op("Reshape", [x, b.const([0, 0, n_heads, self.c.head_dim], scope)], scope)
         return b.op("Transpose", [x], scope, perm=[0, 2, 1, 3])
 
-    def _attention(self, x: str, attn: nn.Module, i: int, cos: str, sin: str, mask: str):
+    def _attention(self, x: str, attn: nn.Module, i: int, rope_table: tuple[str, str, bool], mask: str):
         b, c, p, dq = self.b, self.c, f"layers.{i}.self_attn", self.spec.dequantize
         hd, n_rep = c.head_dim, c.n_heads // c.n_kv_heads
         q = self._heads(linear(b, x, attn.q_proj, f"{p}.q_proj", dq), c.n_heads, p)
@@ -242,7 +253,12 @@ class DecoderGraph:
         v = self._heads(linear(b, x, attn.v_proj, f"{p}.v_proj", dq), c.n_kv_heads, p)
         if c.spec.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's D channels, before RoPE
             q, k = rms_norm(b, q, attn.q_norm, f"{p}.q_norm"), rms_norm(b, k, attn.k_norm, f"{p}.k_norm")
-        q, k = rope(b, q, cos, sin, hd // 2, p), rope(b, k, cos, sin, hd // 2, p)
+        cos, sin, fused = rope_table
+        if fused:
+            offset = "past_len" if self.decode else b.const([0], p)
+            q, k = fused_rope(b, q, cos, sin, offset, p), fused_rope(b, k, cos, sin, offset, p)
+        else:
+            q, k = rope(b, q, cos, sin, hd // 2, p), rope(b, k, cos, sin, hd // 2, p)
         if attn.q_scale != 1.0:  # Gemma 3's query_pre_attn_scalar, as Attention applies it (q times the ratio)
             q = b.op("Mul", [q, b.fconst(attn.q_scale, p)], p)
         k, v = kv_rounding(b, attn, k, v, p)

@@ -108,6 +108,12 @@ def rope(b: GraphBuilder, x: str, cos: str, sin: str, half: int, scope: str) -> 
     return b.op("Add", [b.op("Mul", [x, cos], scope), b.op("Mul", [rotated, sin], scope)], scope)
 
 
+def fused_rope(b: GraphBuilder, x: str, cos_half: str, sin_half: str, offset: str, scope: str) -> str:
+    """``rope`` as one com.microsoft RotaryEmbedding (rotate-half layout): x [B, H, T, D], half tables
+    [L, D / 2] read from position ``offset`` (int64 [1]) on. ONNX Runtime only; ATC has no such op."""
+    return b.op("RotaryEmbedding", [x, offset, cos_half, sin_half], scope, domain=MS_DOMAIN, interleaved=0)
+
+
 def activation(b: GraphBuilder, x: str, kind: str, scope: str) -> str:
     """The gated feed-forward's activation (``ArchSpec.activation``): SiLU, or GELU's tanh
     approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) as torch's

@@ -75,6 +75,7 @@ def test_onnx_runtime_fuses_the_norms_and_the_cache_is_written_once(lowered, tmp
         graph = onnx.load(options.optimized_model_filepath, load_external_data=False).graph
         ops = [n.op_type for n in graph.node]
         assert ops.count("SimplifiedLayerNormalization") == n_norms and "ReduceMean" not in ops
+        assert ops.count("RotaryEmbedding") == 2 * loaded.model.config.n_layers  # q and k of every layer
         producers = {o: n.op_type for n in graph.node for o in n.output}
         assert {producers[o.name] for o in graph.output if o.name.startswith("present_")} == {writer}
 
@@ -122,6 +123,20 @@ def test_decode_steps_match_torch_cache(lowered):
         for t in range(6, 20):  # one token at a time, past the sliding window
             ref = loaded.model(ids[:, t:t + 1], torch.tensor([[t]]), cache)
             assert rel_error(runner.decode(ids[:, t:t + 1].numpy()), ref.numpy()) < 1e-4
+
+
+def test_standard_ops_rotary_is_the_same_model(lowered, tmp_path):
+    """--no-fused-rotary (the rotary embedding in standard ops, as the ATC-ready graph has it)
+    decodes the same logits as the default RotaryEmbedding graph."""
+    loaded, fused = lowered
+    standard = tmp_path / "standard"
+    export_onnx(loaded, standard, OnnxExportOptions(max_len=MAX_LEN, accuracy_level=0, fused_rotary=False))
+    assert not any(n.op_type == "RotaryEmbedding" for n in onnx.load(str(standard / DECODE_FILE)).graph.node)
+    ids = torch.randint(0, loaded.model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(3)).numpy()
+    runners = OnnxRunner(fused, threads=1), OnnxRunner(standard, threads=1)
+    outs = [[r.prefill(ids[:, :6])] + [r.decode(ids[:, t:t + 1]) for t in range(6, 10)] for r in runners]
+    for a, b in zip(*outs):
+        assert rel_error(a, b) < 1e-5
 
 
 def test_int4_head_tied_or_not_is_matmulnbits_and_matches_torch(tmp_path):
