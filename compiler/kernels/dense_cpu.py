@@ -3,8 +3,9 @@
 torch's ``F.linear`` on the CPU calls MKL's sgemm on the ``[out, in]`` weight as stored. From a few
 rows on, oneDNN on a weight reordered once into its blocked layout (``mkldnn._reorder_linear_weight``,
 then ``mkldnn._linear_pointwise``, as vLLM's CPU backend and inductor's freezing do) is faster;
-at one or two rows MKL's gemv is. Measured on this 2-core AVX-512 machine, SmolLM2's 30 decoder
-layers of float32 projections (fused q/k/v and gate/up), weights cold in cache, ms for all of them:
+at one or two rows MKL's gemv is. Measured on this 2-core AVX-512 machine (``python
+benchmarks/dense_cpu.py``), SmolLM2's 30 decoder layers of float32 projections (fused q/k/v and
+gate/up), weights cold in cache, ms for all of them:
 
     rows               1     2     4     16    64
     F.linear (MKL)   17.1  20.0  29.2  42.1  74.1
