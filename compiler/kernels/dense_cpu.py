@@ -50,21 +50,15 @@ class PackedLinear(nn.Linear):
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < PACKED_FROM_ROWS * self.in_features or torch.is_grad_enabled() or not x.is_cpu:
+        if x.numel() < PACKED_FROM_ROWS * self.in_features or torch.is_grad_enabled():  # oneDNN's op has no backward
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), bias, "none", [], "")
 
 
-def why_not_packed(m: nn.Module) -> str | None:
-    """None when ``m`` can be packed, else the reason."""
-    if type(m) is not nn.Linear:
-        return "not a float nn.Linear"
-    if m.weight.device.type != "cpu":
-        return f"on {m.weight.device.type}, not the CPU"
-    if m.weight.dtype != torch.float32:
-        return f"{m.weight.dtype} weight (packing is measured for float32 only)"
-    return None
+def packable(m: nn.Module) -> bool:
+    """A float32 ``nn.Linear`` on the CPU (the case the crossover above was measured for)."""
+    return type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
 
 
 def pack_linears(model: nn.Module) -> dict[str, list[str]]:
@@ -75,7 +69,7 @@ def pack_linears(model: nn.Module) -> dict[str, list[str]]:
     packed = []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if why_not_packed(child) is None:
+            if packable(child):
                 layer = PackedLinear(child)
                 with torch.no_grad():
                     layer.packed_weight()
