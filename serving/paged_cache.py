@@ -4,7 +4,8 @@ The engine runs the model on one flattened batch ``[1, total_tokens]`` holding, 
 sequence, its next tokens (one for a decode, a chunk for a prefill) with their absolute
 positions. Before the forward it hands the cache the batch's ``BatchMetadata``; each layer's
 ``attend`` then writes the new K/V through the slot mapping and attends every sequence over its
-own blocks: decodes together (the Triton kernel on CUDA, the torch reference elsewhere), prefill
+own blocks: decodes together (the Triton kernel on CUDA, the C++ kernel of
+``compiler/kernels/cpu_ext.py`` on the CPU, the torch reference where neither is had), prefill
 chunks one sequence at a time. All K/V are written before any are read, so a sequence may read
 blocks another sequence fills in the same step.
 """
@@ -17,6 +18,7 @@ import torch
 
 from compiler.deploy.serving_plan import bytes_per_block
 from compiler.kernels import triton_available
+from compiler.kernels.cpu_ext import cpu_kernels, cpu_kernels_status, paged_decode_cpu
 from compiler.model.kv_cache import layer_windows
 from serving.paged_attention import (
     decode_mask,
@@ -75,7 +77,7 @@ class PagedKVCache:
 
     def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu", k_scales: list[torch.Tensor] | None = None,
                  v_scales: list[torch.Tensor] | None = None, sliding_window: int | Sequence[int | None] | None = None,
-                 use_triton: bool | None = None):
+                 decode_kernel: str | None = None):
         self.spec = spec
         self.device = torch.device(device)
         shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
@@ -87,9 +89,11 @@ class PagedKVCache:
         if spec.dtype == torch.float8_e4m3fn and not (self.k_scales and self.v_scales):
             raise ValueError("an FP8 KV cache needs per-layer k_scales and v_scales")
         self.sliding_windows = layer_windows(sliding_window, spec.num_layers)
-        if use_triton is None and self.device.type == "cuda":
-            use_triton = triton_available()
-        self.use_triton = bool(use_triton)
+        # "triton" (CUDA), "cpu" (the C++ kernel) or "torch" (the reference); decode_kernel_note says why
+        self.decode_kernel, self.decode_kernel_note = decode_kernel or self._default_decode_kernel(), ""
+        if self.decode_kernel == "torch" and decode_kernel is None:
+            self.decode_kernel_note = ("no Triton on this CUDA device" if self.device.type == "cuda"
+                                       else f"C++ CPU kernels {cpu_kernels_status()}")
         self.meta: BatchMetadata | None = None
         # The torch decode path's per-step state, the same for every layer: masks per window, and the
         # buffers K and V are gathered into (reused by every layer and step rather than allocated per call).
@@ -97,10 +101,17 @@ class PagedKVCache:
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._workspace_numel = 0
 
+    def _default_decode_kernel(self) -> str:
+        if self.device.type == "cuda" and triton_available():
+            return "triton"
+        if self.device.type == "cpu" and cpu_kernels() is not None:
+            return "cpu"
+        return "torch"
+
     def set_batch(self, meta: BatchMetadata) -> None:
         self.meta = meta
         self._decode_masks = {}
-        if not self.use_triton:
+        if self.decode_kernel == "torch":
             numel = meta.decode_block_tables.numel() * self.spec.block_size * self.spec.num_kv_heads * self.spec.head_dim
             if self._workspace is None or self._workspace[0].numel() < numel:  # grown, never shrunk
                 self._workspace = tuple(torch.empty(numel, dtype=self.spec.dtype, device=self.device) for _ in range(2))
@@ -151,11 +162,13 @@ class PagedKVCache:
         """The decode sequences' attention: qd [Sd, Hq, D] -> [Sd, Hq, D]."""
         meta = self.meta
         k_scale, v_scale = self._scales(layer_idx)
-        if self.use_triton:
+        if self.decode_kernel == "triton":
             from compiler.kernels.paged_decode import paged_decode_triton
 
             return paged_decode_triton(qd, kc, vc, meta.decode_block_tables, meta.decode_seq_lens, k_scale, v_scale,
                                        window)
+        if self.decode_kernel == "cpu":
+            return paged_decode_cpu(qd, kc, vc, meta.decode_block_tables, meta.decode_seq_lens, k_scale, v_scale, window)
         return paged_decode_reference(qd, kc, vc, meta.decode_block_tables, meta.decode_seq_lens, k_scale, v_scale,
                                       window, self._decode_mask(window), self._step_workspace())
 

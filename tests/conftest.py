@@ -37,6 +37,20 @@ def kernel_device() -> str:
     (the interpreter)."""
     return KERNEL_DEVICE
 
+
+@pytest.fixture
+def cpu_ops():
+    """``torch.ops.qcompile_cpu`` (compiler/kernels/cpu_ext.py). A missing build fails the test
+    rather than skipping it, so a broken build cannot pass unnoticed; ``QCOMPILE_CPU_KERNELS=0``
+    (the kernels turned off on purpose) skips it."""
+    from compiler.kernels.cpu_ext import SWITCH, cpu_kernels, cpu_kernels_status
+
+    if os.environ.get(SWITCH, "1") == "0":
+        pytest.skip(f"C++ CPU kernels turned off by {SWITCH}=0")
+    ops = cpu_kernels()
+    assert ops is not None, f"C++ CPU kernels {cpu_kernels_status()}"
+    return ops
+
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 

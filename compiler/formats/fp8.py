@@ -44,7 +44,15 @@ import torch.nn as nn
 
 from compiler.errors import ArtifactError
 from compiler.formats.qlinear import QuantizedLinear, register_format
-from compiler.kernels.fp8_gemm import dequantize_weight, float_weight_enabled, float_weight_gemm, fp8_gemm
+from compiler.kernels.cpu_ext import cpu_kernels
+from compiler.kernels.dense_cpu import DerivedTensor, onednn_available, pack_weight
+from compiler.kernels.fp8_gemm import (
+    dequantize_activations,
+    dequantize_weight,
+    float_gemm,
+    float_weight_enabled,
+    fp8_gemm,
+)
 from compiler.quant.fp8 import (
     FP8_DTYPES,
     MIN_SCALE,
@@ -187,8 +195,8 @@ class Fp8Linear(QuantizedLinear):
         self.register_buffer("bias", torch.empty(n, dtype=dtype) if bias else None)
         self.register_buffer("outlier_index", torch.empty(r, dtype=torch.int64) if r else None)
         self.register_buffer("outlier_weight", torch.empty(n, r, dtype=dtype) if r else None)
-        self._float_weight: torch.Tensor | None = None  # derived, never saved: see float_weight()
-        self._float_weight_source: tuple | None = None
+        self._float_weight = DerivedTensor()  # never saved: see float_weight()
+        self._packed_weight: DerivedTensor | None = None  # float_weight() for oneDNN, once pack_cpu_weight() is called
 
     @property
     def quantizes_activations(self) -> bool:
@@ -299,27 +307,50 @@ class Fp8Linear(QuantizedLinear):
             return quantize_per_token_group(x, dtype, fmt.activation_group_size, per_row)
         return per_row(x, dtype)
 
+    def cpu_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> float32 [M, K]: the activations the dequantize reference multiplies by the
+        float32 weight (less ``input_shift``, outlier channels zeroed, rounded through FP8 by their
+        scale), by the C++ op where it runs (one op, the same bits), else by ``quantize_input``."""
+        ops = cpu_kernels()
+        if ops is None or self.format.activation_group_size:
+            return dequantize_activations(*self.quantize_input(x))
+        shift = self.input_shift
+        x = x.float()
+        if self.outlier_index is not None:
+            x, shift = self._centred(x).index_fill(1, self.outlier_index, 0), None
+        return ops.fp8_fake_quant_rows(x.contiguous(), shift, self.input_scale, self.format.activation_torch_dtype)[0]
+
     def float_weight(self) -> torch.Tensor:
         """The float32 weight a CPU forward multiplies by, built on first use and again whenever a
         buffer is replaced or written in place: with FP8 activations the dequantized codes (the
         reference's ``dequantize_weight``), weight-only ``dequantized_weight()`` (outlier columns in).
         A derived copy, never saved: 4 bytes per weight (``compiler/kernels/fp8_gemm.py``)."""
-        buffers = self._buffers
-        tensors = (buffers["weight"], buffers["weight_scale"], buffers["outlier_weight"])
-        versions = tuple(None if t is None or t.is_inference() else t._version for t in tensors)
-        source = self._float_weight_source
-        if source is None or source[1] != versions or any(a is not b for a, b in zip(source[0], tensors)):
+        def build():
             if self.format.quantizes_activations:
-                self._float_weight = dequantize_weight(self.weight, self.weight_scale)
-            else:
-                self._float_weight = self.dequantized_weight()
-            self._float_weight_source = (tensors, versions)
-        return self._float_weight
+                return dequantize_weight(self.weight, self.weight_scale)
+            return self.dequantized_weight()
+
+        return self._float_weight.get((self.weight, self.weight_scale, self.outlier_weight), build)
 
     def drop_float_weight(self) -> None:
         """Free the float32 copy (rebuilt on the next CPU forward): a compile measures a layer's
         error through it, then must not keep 4 bytes per weight of every converted layer."""
-        self._float_weight = self._float_weight_source = None
+        self._float_weight.drop()
+
+    def pack_cpu_weight(self) -> bool:
+        """Keep ``float_weight()`` in oneDNN's layout too, for batches of 4+ rows (the serving
+        engine's ``pack_linears``; 4 bytes per weight more). False where the CPU forward would not
+        use it: weight-only layers, the float copy turned off, no oneDNN, not on the CPU."""
+        if not (self.format.quantizes_activations and float_weight_enabled() and onednn_available()
+                and self.weight.is_cpu):
+            return False
+        self._packed_weight = DerivedTensor()
+        with torch.no_grad():
+            self._packed()
+        return True
+
+    def _packed(self) -> torch.Tensor:
+        return self._packed_weight.get((self.weight, self.weight_scale), lambda: pack_weight(self.float_weight()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -330,11 +361,12 @@ class Fp8Linear(QuantizedLinear):
             y = self._centred(x2).to(x.dtype) @ w.to(x.dtype).t()
             y = y + self.bias if self.bias is not None else y
         else:
-            xq, xs = self.quantize_input(x2)
             if w is None:
+                xq, xs = self.quantize_input(x2)
                 y = fp8_gemm(xq, xs, self.weight, self.weight_scale, self.bias, x.dtype)
             else:  # the dequantize reference's arithmetic on the copy: the same output
-                y = float_weight_gemm(xq, xs, w, self.bias, x.dtype)
+                packed = None if self._packed_weight is None else self._packed
+                y = float_gemm(self.cpu_activations(x2), w, self.bias, x.dtype, packed)
             if self.outlier_index is not None:
                 y = y + self._outlier_part(x2)
         return y.reshape(*shape[:-1], self.out_features)

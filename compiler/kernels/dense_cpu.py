@@ -29,6 +29,42 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+class DerivedTensor:
+    """A tensor computed from source tensors and kept (never saved) until a source is replaced or
+    written in place; then the next ``get`` computes it again. Serves the packed weight here and
+    ``Fp8Linear``'s float32 copy of its codes."""
+
+    def __init__(self):
+        self.value: torch.Tensor | None = None
+        self._sources: tuple | None = None  # (the source tensors, their in-place versions)
+
+    def get(self, sources: tuple, build) -> torch.Tensor:
+        """The kept tensor, or ``build()``'s when any of ``sources`` (tensors or None) changed."""
+        versions = tuple(None if t is None or t.is_inference() else t._version for t in sources)
+        kept = self._sources
+        if kept is None or kept[1] != versions or any(a is not b for a, b in zip(kept[0], sources)):
+            self.value = build()
+            self._sources = (sources, versions)
+        return self.value
+
+    def drop(self) -> None:
+        self.value = self._sources = None
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 [out, in] weight in oneDNN's blocked layout, for ``dense``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed=None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through ``packed`` (``weight``'s ``pack_weight``, a tensor or a
+    callable giving it) from ``PACKED_FROM_ROWS`` rows on, outside autograd (oneDNN's op has no backward)."""
+    if packed is None or x.numel() < PACKED_FROM_ROWS * weight.shape[1] or torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    packed = packed() if callable(packed) else packed
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None if bias is None else bias.detach(), "none", [], "")
+
+
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` (the same weight and bias parameters) that multiplies batches of
     ``PACKED_FROM_ROWS`` rows or more by a oneDNN-packed copy of its weight. The copy follows the
@@ -38,22 +74,13 @@ class PackedLinear(nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self._packed: torch.Tensor | None = None
-        self._packed_source: tuple | None = None
+        self._packed = DerivedTensor()
 
     def packed_weight(self) -> torch.Tensor:
-        w = self.weight
-        source = (w, None if w.is_inference() else w._version)
-        if self._packed_source is None or self._packed_source[0] is not w or self._packed_source[1] != source[1]:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-            self._packed_source = source
-        return self._packed
+        return self._packed.get((self.weight,), lambda: pack_weight(self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < PACKED_FROM_ROWS * self.in_features or torch.is_grad_enabled():  # oneDNN's op has no backward
-            return F.linear(x, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), bias, "none", [], "")
+        return dense(x, self.weight, self.bias, self.packed_weight)
 
 
 def packable(m: nn.Module) -> bool:
@@ -62,8 +89,10 @@ def packable(m: nn.Module) -> bool:
 
 
 def pack_linears(model: nn.Module) -> dict[str, list[str]]:
-    """Replace every float32 CPU ``nn.Linear`` of ``model`` by a ``PackedLinear`` in place, each
-    packed now (a one-time cost at load). Returns ``{"packed": [names]}``, empty when oneDNN is absent."""
+    """Replace every float32 CPU ``nn.Linear`` of ``model`` by a ``PackedLinear`` in place, and
+    pack the float32 weight copy of every module that keeps one (``pack_cpu_weight()``, e.g.
+    ``Fp8Linear``'s), each packed now (a one-time cost at load). Returns ``{"packed": [names]}``,
+    empty when oneDNN is absent."""
     if not onednn_available():
         return {}
     packed = []
@@ -74,5 +103,7 @@ def pack_linears(model: nn.Module) -> dict[str, list[str]]:
                 with torch.no_grad():
                     layer.packed_weight()
                 setattr(parent, name, layer)
-                packed.append(f"{parent_name}.{name}" if parent_name else name)
+            elif not (hasattr(child, "pack_cpu_weight") and child.pack_cpu_weight()):
+                continue
+            packed.append(f"{parent_name}.{name}" if parent_name else name)
     return {"packed": packed}

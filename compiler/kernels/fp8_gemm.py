@@ -18,7 +18,11 @@ most of it the weight's dequantization on every call; so ``Fp8Linear`` on the CP
 weight once (``dequantize_weight``, kept beside the FP8 codes) and runs ``float_weight_gemm``, the
 reference's own arithmetic on that copy: the same float32 products and sums, so the same output
 bit for bit. It costs 4 bytes per weight (float32) on top of the codes' one;
-``QCOMPILE_FP8_CPU_FLOAT_WEIGHT=0`` turns it off for a process (memory over speed).
+``QCOMPILE_FP8_CPU_FLOAT_WEIGHT=0`` turns it off for a process (memory over speed). The serving
+engine also packs that copy for oneDNN (``pack_cpu_weight``, 4 bytes more), which batches of 4+
+rows multiply by: float32 still, the sums in another order (~1e-7 relative), as its float linears.
+The activations' quantization on the CPU is one C++ op (``fp8_fake_quant_rows``,
+``compiler/kernels/cpu_ext.py``), bit for bit the torch ops of ``compiler/quant/fp8.py``.
 
 Why float32 and not the model's dtype: an E4M3 code has 4 significant bits and a float32 scale
 24, so their product needs up to 28 and is rounded even in float32 — the reference rounds it the
@@ -31,6 +35,7 @@ import os
 
 import torch
 
+from compiler.kernels.dense_cpu import dense
 from compiler.quant.fp8 import to_float32
 
 FLOAT_WEIGHT_SWITCH = "QCOMPILE_FP8_CPU_FLOAT_WEIGHT"
@@ -47,14 +52,23 @@ def dequantize_weight(b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
     return to_float32(b) * b_scale.float()[:, None]
 
 
+def dequantize_activations(a, a_scale) -> torch.Tensor:
+    """FP8 activations ``a`` [M, K] with their scales (as in ``fp8_gemm``) -> float32 [M, K]."""
+    sa = a_scale.float()
+    sa = sa.repeat_interleave(a.shape[1] // sa.shape[1], dim=1) if sa.dim() == 2 else sa[:, None]
+    return to_float32(a) * sa
+
+
 def float_weight_gemm(a, a_scale, w, bias=None, out_dtype=torch.float32) -> torch.Tensor:
     """``dequant_gemm`` on a weight already dequantized by ``dequantize_weight``: FP8 activations
     ``a`` [M, K] with their scales (as in ``fp8_gemm``), float32 ``w`` [N, K]."""
-    sa = a_scale.float()
-    sa = sa.repeat_interleave(a.shape[1] // sa.shape[1], dim=1) if sa.dim() == 2 else sa[:, None]
-    a = to_float32(a) * sa
-    y = a @ w.t() if bias is None else torch.addmm(bias.float(), a, w.t())
-    return y.to(out_dtype)
+    return float_gemm(dequantize_activations(a, a_scale), w, bias, out_dtype)
+
+
+def float_gemm(a, w, bias=None, out_dtype=torch.float32, packed=None) -> torch.Tensor:
+    """The reference's matmul of dequantized activations ``a`` and weight ``w`` (float32 both);
+    ``packed``: ``w`` in oneDNN's layout, for batches of rows (``compiler/kernels/dense_cpu.py``)."""
+    return dense(a, w, None if bias is None else bias.float(), packed).to(out_dtype)
 
 
 def dequant_gemm(a, a_scale, b, b_scale, bias=None, out_dtype=torch.float32) -> torch.Tensor:

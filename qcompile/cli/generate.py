@@ -24,6 +24,8 @@ def generate_cmd(
     device: Optional[str] = device_option(None, " (default: cuda when available, else cpu)"),
 ):
     """Generate a completion of PROMPT with ARTIFACT, streamed as it is produced."""
+    from rich.markup import escape
+
     from qcompile.cli.console import err
     from qcompile.cli.console import out as console
     from serving.engine import Engine
@@ -45,4 +47,5 @@ def generate_cmd(
     n, reason, ttft = asyncio.run(run())
     elapsed = time.perf_counter() - start
     console.print()
-    err.print(f"[dim]{n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s, first token {1000 * (ttft or 0):.0f} ms), finish: {reason}[/dim]")
+    err.print(f"[dim]{n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s, first token {1000 * (ttft or 0):.0f} ms), finish: {reason}, "
+              f"decode attention: {escape(engine.decode_attention)}[/dim]")

@@ -104,7 +104,7 @@ def test_measuring_layer_errors_keeps_no_float_copy_of_the_weights(tiny, tmp_pat
     compile_loaded(loaded, pipeline(max_layer_error=10.0), tmp_path / "a")
     converted = [m for m in loaded.model.modules() if isinstance(m, Fp8Linear)]
     assert len(converted) == 14
-    assert all(m._float_weight is None for m in converted)
+    assert all(m._float_weight.value is None for m in converted)
 
 
 def test_fallback_decision_uses_measured_error(tiny, tmp_path):

@@ -58,7 +58,7 @@ def test_engine_on_cuda(artifact, kind):
     assert relative_error(gpu(ids.to("cuda")), cpu(ids)) < LOGIT_BOUNDS[kind]
     want = [gpu.generate(torch.tensor([p], device="cuda"), 8)[0, len(p):].tolist() for p in PROMPTS]
     engine = Engine.from_artifact(path, "cuda", block_size=4, num_blocks=64)
-    assert engine.cache.use_triton and engine.cache.k[0].is_cuda
+    assert engine.cache.decode_kernel == "triton" and engine.cache.k[0].is_cuda
     if kind == "fp8":
         assert engine.cache.k[0].dtype == torch.float8_e4m3fn
     got = [engine.generate(prompt_token_ids=p, max_tokens=8, ignore_eos=True).token_ids for p in PROMPTS]

@@ -1,9 +1,11 @@
-"""Paged attention against dense attention, and the Triton decode kernel against the torch reference.
+"""Paged attention against dense attention, and the decode kernels (Triton, C++ CPU) against the torch reference.
 
-The kernel runs on ``kernel_device``: compiled on a CUDA GPU, else on the CPU under
+The Triton kernel runs on ``kernel_device``: compiled on a CUDA GPU, else on the CPU under
 ``TRITON_INTERPRET=1`` (set by tests/conftest.py before any import, since ``triton.jit`` picks the
 interpreter when it decorates). Bounds (``KERNEL_BOUNDS``): float32 sums in both; the GPU's
-``tl.exp`` is an approximate exp2 (a few ulp), hence the looser bound there.
+``tl.exp`` is an approximate exp2 (a few ulp), hence the looser bound there. The C++ kernel
+(``compiler/kernels/cpu_ext.py``) computes in float32 whatever the cache's dtype: the same bound
+as the CPU's.
 """
 from __future__ import annotations
 
@@ -112,6 +114,75 @@ def test_triton_decode_fp8_matches_reference(triton_kernel, kernel_device, per_h
     assert relative_error(want, exact) < 0.1  # FP8 storage costs precision, not correctness
 
 
+@pytest.mark.parametrize("hq,hkv,d,bs,window", [(4, 2, 16, 4, None), (6, 3, 12, 16, None), (4, 4, 8, 8, 6),
+                                                 (8, 1, 32, 5, None), (9, 3, 64, 16, 7)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_decode_matches_reference(cpu_ops, hq, hkv, d, bs, window, cache_dtype):
+    from compiler.kernels.cpu_ext import paged_decode_cpu
+
+    lens = [1, 5, 17, 33, 40]
+    k_cache, v_cache, tables, _ = scatter_sequences(lens, 64, bs, hkv, d, seed=hq + bs)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(hq * d))
+    seq_lens = torch.tensor(lens)
+    want = paged_decode_reference(q, k_cache, v_cache, tables, seq_lens, sliding_window=window)
+    got = paged_decode_cpu(q, k_cache, v_cache, tables, seq_lens, sliding_window=window)
+    err = relative_error(got, want)
+    print(f"hq={hq} hkv={hkv} d={d} bs={bs} window={window} {cache_dtype}: relative error {err:.2e}")
+    assert got.dtype == q.dtype and err < KERNEL_BOUNDS["cpu"]
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_fp8_matches_reference(cpu_ops, per_head, q_dtype):
+    from compiler.kernels.cpu_ext import paged_decode_cpu
+
+    lens, hq, hkv, d, bs = [3, 20, 9], 4, 2, 16, 4
+    k_cache, v_cache, tables, _ = scatter_sequences(lens, 24, bs, hkv, d)
+    scale = torch.tensor([[0.01], [0.02]]) if per_head else torch.tensor([[0.015]])
+    k8 = quantize_kv(k_cache.view(-1, hkv, d), torch.float8_e4m3fn, scale).view(k_cache.shape)
+    v8 = quantize_kv(v_cache.view(-1, hkv, d), torch.float8_e4m3fn, scale).view(v_cache.shape)
+    q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(int(per_head))).to(q_dtype)
+    want = paged_decode_reference(q.float(), k8, v8, tables, torch.tensor(lens), scale, scale)
+    got = paged_decode_cpu(q, k8, v8, tables, torch.tensor(lens), scale, scale)
+    err = relative_error(got.float(), want)
+    print(f"fp8 per_head={per_head} q {q_dtype}: relative error {err:.2e}")
+    assert got.dtype == q_dtype and err < (KERNEL_BOUNDS["cpu"] if q_dtype == torch.float32 else 1e-2)
+
+
+def test_cpu_decode_reads_every_fp8_code_exactly(cpu_ops):
+    """One cached token per sequence, so the output is its V row times the scale: each of the 256
+    E4M3 codes (subnormals, -0, NaN included) as torch's cast reads it."""
+    from compiler.kernels.cpu_ext import paged_decode_cpu
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(16, 1, 1, 16)
+    keys, scale = torch.zeros_like(codes), torch.tensor([0.37])
+    out = paged_decode_cpu(torch.zeros(16, 1, 16), keys, codes, torch.arange(16)[:, None], torch.ones(16, dtype=torch.long),
+                           scale, scale)
+    want = codes.float().reshape(16, 1, 16) * scale
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
+
+
+def test_cpu_decode_refuses_a_table_that_points_outside_the_cache(cpu_ops):
+    from compiler.kernels.cpu_ext import paged_decode_cpu
+
+    k_cache, v_cache, tables, _ = scatter_sequences([5], 4, 4, 1, 8)
+    q = torch.randn(1, 2, 8)
+    with pytest.raises(RuntimeError, match="block table entry out of range"):
+        paged_decode_cpu(q, k_cache, v_cache, torch.tensor([[1, 4]]), torch.tensor([5]))
+    with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = 9 is outside \[1, 8\]"):
+        paged_decode_cpu(q, k_cache, v_cache, tables, torch.tensor([9]))
+
+
+def test_cpu_decode_lets_nan_through(cpu_ops):
+    from compiler.kernels.cpu_ext import paged_decode_cpu
+
+    k_cache, v_cache, tables, _ = scatter_sequences([6], 4, 4, 1, 8)
+    k_cache[tables[0, 0], 2, 0, 3] = float("nan")
+    out = paged_decode_cpu(torch.randn(1, 2, 8), k_cache, v_cache, tables, torch.tensor([6]))
+    assert torch.isnan(out).all()
+
+
 def test_fp8_roundtrip_error_is_small():
     x = torch.randn(64, 2, 16)
     scale = x.abs().amax(dim=(0, 2))[:, None] / 448.0
@@ -143,14 +214,18 @@ def test_paged_cache_attend_mixes_decode_and_prefill():
     assert relative_error(out[:, :, :3], want_a) < 1e-5 and relative_error(out[:, :, 3:], want_b) < 1e-5
 
 
+@pytest.mark.parametrize("kernel", ["torch", "cpu"])
 @pytest.mark.parametrize("window", [None, 6])
-def test_decode_only_steps_reuse_buffers_and_equal_the_reference(window):
-    """A decode-only step (no query gather, the step's mask and gather buffers shared by the layers)
-    gives the reference's output bit for bit, in every layer and again after the batch shrinks."""
+def test_decode_only_steps_equal_the_reference(request, kernel, window):
+    """A decode-only step (no query gather; on the torch path the step's mask and gather buffers
+    shared by the layers) gives the reference's output — bit for bit on the torch path — in every
+    layer and again after the batch shrinks."""
+    if kernel == "cpu":
+        request.getfixturevalue("cpu_ops")
     hq, hkv, d, bs = 4, 2, 8, 4
     lens = [3, 17, 9]
     k_cache, v_cache, tables, _ = scatter_sequences(lens, 24, bs, hkv, d, seed=7)
-    cache = PagedKVCache(KVCacheSpec(2, 24, bs, hkv, d, torch.float32), sliding_window=window)
+    cache = PagedKVCache(KVCacheSpec(2, 24, bs, hkv, d, torch.float32), sliding_window=window, decode_kernel=kernel)
     g = torch.Generator().manual_seed(8)
     for rows in (slice(0, 3), slice(1, 2)):  # three sequences, then one: the buffers are views of the first
         t, lens_t = tables[rows], torch.tensor(lens)[rows]
@@ -165,7 +240,8 @@ def test_decode_only_steps_reuse_buffers_and_equal_the_reference(window):
             out = cache.attend(layer, q, k, v, torch.tensor([lens_t.tolist()]) - 1)
             want = paged_decode_reference(q[0].transpose(0, 1), cache.k[layer], cache.v[layer], t, lens_t,
                                           sliding_window=window)
-            assert torch.equal(out[0].transpose(0, 1), want)
+            got = out[0].transpose(0, 1)
+            assert torch.equal(got, want) if kernel == "torch" else relative_error(got, want) < KERNEL_BOUNDS["cpu"]
 
 
 def test_engine_decodes_through_the_triton_kernel(triton_kernel, kernel_device, tiny_checkpoint):
@@ -179,6 +255,6 @@ def test_engine_decodes_through_the_triton_kernel(triton_kernel, kernel_device, 
     prompts = [[5, 9, 14], [7, 8, 9, 10, 11, 12, 13]]
     want = [loaded.model.generate(torch.tensor([p]), 6)[0, len(p):].tolist() for p in prompts]
     engine = Engine.from_loaded(loaded, kernel_device, block_size=4, num_blocks=32)
-    engine.cache.use_triton = True
+    engine.cache.decode_kernel = "triton"
     got = [engine.generate(prompt_token_ids=p, max_tokens=6, ignore_eos=True).token_ids for p in prompts]
     assert got == want

@@ -16,6 +16,7 @@ from numerics import relative_error
 
 from compiler.errors import ArtifactError
 from compiler.formats.fp8 import Fp8Format, Fp8Linear
+from compiler.kernels.dense_cpu import PACKED_FROM_ROWS, onednn_available
 from compiler.kernels.fp8_gemm import FP8_KERNELS, dequant_gemm, fp8_gemm, select_kernel
 from compiler.quant.fp8 import (
     FP8_DTYPES,
@@ -497,7 +498,7 @@ def test_cpu_float_copy_gives_the_reference_output_bit_for_bit(case, dtype, monk
             input_shift=x.float().reshape(-1, 64).mean(0) if shift else None,
             outliers=torch.tensor([3, 40]) if outliers else None, **case)
     got = q(x)
-    assert q._float_weight is not None and q._float_weight.dtype == torch.float32
+    assert q._float_weight.value is not None and q._float_weight.value.dtype == torch.float32
     assert torch.isfinite(got).all() and got.dtype == dtype
     assert torch.equal(got, _reference_forward(q, x))
     monkeypatch.setenv("QCOMPILE_FP8_CPU_FLOAT_WEIGHT", "0")
@@ -505,6 +506,27 @@ def test_cpu_float_copy_gives_the_reference_output_bit_for_bit(case, dtype, monk
     err = relative_error(got, before)
     print(f"{case} shift={shift} outliers={outliers} {dtype}: float copy vs per-call path {err:.2e}")
     assert err < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("rows", [1, PACKED_FROM_ROWS - 1, PACKED_FROM_ROWS, 37])
+def test_packed_float_copy_matches_the_reference_and_follows_the_buffers(rows):
+    """The engine's packed copy (``pack_cpu_weight``) serves batches of 4+ rows: float32 sums in
+    another order, within 1e-6 of the reference; below that the unpacked copy, bit for bit."""
+    torch.manual_seed(rows)
+    lin = nn.Linear(576, 192)
+    x = torch.randn(rows, 576) * 2
+    q = fp8(lin, input_shift=x.mean(0))
+    assert q.pack_cpu_weight() and not fp8(lin, activation_scheme="none").pack_cpu_weight()
+    for _ in range(2):
+        with torch.inference_mode():
+            got = q(x)
+        want = _reference_forward(q, x)
+        err = relative_error(got, want)
+        print(f"rows={rows}: packed copy vs reference {err:.2e}")
+        assert err < 1e-6 and (rows >= PACKED_FROM_ROWS or torch.equal(got, want))
+        with torch.no_grad():
+            q.weight_scale.mul_(2)  # in place: the float copy and the packed one are rebuilt
 
 
 def test_cpu_float_copy_is_not_saved_follows_the_buffers_and_can_be_turned_off(monkeypatch):
@@ -523,4 +545,4 @@ def test_cpu_float_copy_is_not_saved_follows_the_buffers_and_can_be_turned_off(m
     monkeypatch.setenv("QCOMPILE_FP8_CPU_FLOAT_WEIGHT", "0")
     fresh = fp8(lin)
     fresh(x)
-    assert fresh._float_weight is None
+    assert fresh._float_weight.value is None

@@ -27,7 +27,7 @@ def test_packed_linear_matches_f_linear(k, n, bias, rows):
     err = relative_error(got, ref)
     print(f"{k}->{n} bias={bias} rows={rows}: relative error {err:.2e}")
     assert got.shape == ref.shape and err < TOLERANCE
-    assert (packed._packed is not None) == (rows >= PACKED_FROM_ROWS)  # the path under test was taken
+    assert (packed._packed.value is not None) == (rows >= PACKED_FROM_ROWS)  # the path under test was taken
 
 
 def test_the_packed_copy_follows_the_weight():

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from arch_helpers import make_arch_model
+from numerics import relative_error
 
 import backends  # noqa: F401  (registers the lowerings)
 import passes  # noqa: F401  (registers the passes)
@@ -49,7 +50,12 @@ def test_float_artifact_round_trip(case, tmp_path):
     out = save_artifact(tmp_path / "artifact", loaded.model, None, SourceInfo("x", "hf", "0" * 64), {}, [])
     reloaded = load_artifact(out).model
     assert reloaded.config == loaded.model.config
-    assert torch.equal(reloaded(IDS), loaded.model(IDS))
+    want = loaded.model.state_dict()
+    assert all(torch.equal(t, want[k]) and t.dtype == want[k].dtype for k, t in reloaded.state_dict().items())
+    # The same weights give the same logits up to float32 rounding, not bit for bit: MKL's sgemm
+    # sums in an order that depends on the address alignment of the memory-mapped tensors, which
+    # differs between the checkpoint and the artifact (seen on a 32 x 64 expert projection: 4.8e-7).
+    assert relative_error(reloaded(IDS), loaded.model(IDS)) < 1e-6
 
 
 @pytest.mark.parametrize("case", ["qwen3", "gemma3"])

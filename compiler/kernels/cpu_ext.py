@@ -1,0 +1,96 @@
+"""qcompile's C++ CPU kernels (``csrc/cpu_kernels.cpp``): built once, loaded as ``torch.ops.qcompile_cpu``.
+
+    ops = cpu_kernels()            # the op namespace, or None when the kernels cannot be had
+    why = cpu_kernels_status()     # "loaded", or why not (no compiler, turned off, ...)
+
+- ``paged_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, window, sm_scale)``:
+  the paged cache's decode attention, reading each cached row in place (float32, bfloat16,
+  float16 or FP8 E4M3 with its scales); ``serving/paged_attention.py``'s reference gathers every
+  sequence's blocks into a buffer first. Same contract, checked against it in tests.
+- ``fp8_fake_quant_rows(x, shift, static_scale, dtype)``: ``Fp8Linear``'s activation
+  quantization in one op instead of about ten, bit for bit the torch ops of ``compiler/quant/fp8.py``.
+
+torch builds the library with its C++ toolchain (``torch.utils.cpp_extension``: a C++ compiler and
+``ninja``) into its extensions cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
+keyed by the source, so a change to the source rebuilds it; ``scripts/setup.sh`` builds it at
+install (``python -m compiler.kernels.cpu_ext``), and the first use in a process loads it. Where it
+cannot be built the callers run the torch reference and say so in their load report
+(``cpu_kernels_status()``), never silently. ``QCOMPILE_CPU_KERNELS=0`` turns the kernels off for a
+process, to compare against the reference.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+SWITCH = "QCOMPILE_CPU_KERNELS"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+# -O3 -march=native: built on the machine that runs it; -fopenmp-simd vectorises the marked loops
+# without -ffast-math, which would change the FP8 rounding and NaN handling the kernels keep exact.
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+
+
+@functools.cache
+def _load() -> tuple[object | None, str]:
+    if os.environ.get(SWITCH, "1") == "0":
+        return None, f"turned off ({SWITCH}=0)"
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(name="qcompile_cpu", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                           is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler or ninja, a failed build: the callers fall back and report it
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return None, f"not built ({first_line[:200]}); run 'python -m compiler.kernels.cpu_ext' to see the build log"
+    return torch.ops.qcompile_cpu, "loaded"
+
+
+def cpu_kernels():
+    """``torch.ops.qcompile_cpu`` (built on first use), or None when it cannot be built or is turned off."""
+    return _load()[0]
+
+
+def cpu_kernels_status() -> str:
+    """"loaded", or why the C++ CPU kernels are not in use."""
+    return _load()[1]
+
+
+def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """``paged_decode_reference``'s contract (q [S, Hq, D] -> [S, Hq, D], scales broadcastable to
+    [Hkv, 1]) through the C++ kernel, which computes in float32 whatever q's and the cache's dtypes."""
+    ops = cpu_kernels()
+    if ops is None:
+        raise RuntimeError(f"the C++ paged-decode kernel is not available: {cpu_kernels_status()}")
+    one = torch.ones(1)
+    ks, vs = (one if s is None else s.float().reshape(-1).contiguous() for s in (k_scale, v_scale))
+    out = ops.paged_decode(q.float().contiguous(), k_cache.contiguous(), v_cache.contiguous(),
+                           block_tables.long().contiguous(), seq_lens.long().contiguous(), ks, vs,
+                           sliding_window or 0, q.shape[-1] ** -0.5)
+    return out.to(q.dtype)
+
+
+def build() -> int:
+    """Build (or find) the library, with the compiler's output shown; exit status for the shell."""
+    if os.environ.get(SWITCH, "1") == "0":
+        print(f"qcompile CPU kernels: turned off ({SWITCH}=0)")
+        return 0
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(name="qcompile_cpu", sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False,
+                       verbose=True)
+    print(f"qcompile CPU kernels: built, torch.ops.qcompile_cpu has {', '.join(_op_names())}")
+    return 0
+
+
+def _op_names() -> list[str]:
+    return [name for name in ("paged_decode", "fp8_fake_quant_rows") if hasattr(torch.ops.qcompile_cpu, name)]
+
+
+if __name__ == "__main__":
+    sys.exit(build())

@@ -1,0 +1,282 @@
+// qcompile's CPU kernels, registered as torch.ops.qcompile_cpu.* (loaded by compiler/kernels/cpu_ext.py).
+//
+// paged_decode: one query token per sequence over its paged K/V, read in place (float32, bfloat16,
+//   float16 or FP8 E4M3 with per-KV-head scales), with grouped-query heads and a sliding window.
+//   The contract of serving/paged_attention.py's paged_decode_reference, which gathers every
+//   sequence's blocks into a buffer (and dequantizes an FP8 cache there) before torch's SDPA; this
+//   kernel reads each cached row once, where it lies, and needs no copy.
+// fp8_fake_quant_rows: Fp8Linear's activation quantization for the CPU in one pass, bit for bit
+//   the torch ops it replaces (compiler/quant/fp8.py): x - shift, a per-row scale from the row's
+//   absolute maximum (or a static one), the saturating cast to FP8, and back to float32 times the
+//   scale — the activations that float_weight_gemm multiplies by the dequantized weight.
+//
+// Built with -fopenmp-simd so that the `omp simd reduction` loops vectorise without -ffast-math
+// (which would change the FP8 rounding and NaN handling this file must keep exact).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Each FP8 E4M3 code's value, so that a cached row dequantizes by table lookup, not bit twiddling.
+struct E4m3Table {
+  float value[256];
+  E4m3Table() {
+    for (int i = 0; i < 256; ++i) value[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+  }
+};
+const E4m3Table kE4m3;
+
+// A cached row of D values in float32 times its scale; a float32 row with no scale is read where it lies.
+template <typename T>
+inline const float* load_row(const T* src, float scale, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+  return dst;
+}
+
+inline const float* load_row(const float* src, float scale, float* dst, int64_t n) {
+  if (scale == 1.f) return src;
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * scale;
+  return dst;
+}
+
+inline const float* load_row(const c10::Float8_e4m3fn* src, float scale, float* dst, int64_t n) {
+  const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  // 16 codes at a time, exactly: a normal code's exponent rebiased (7 -> 127) in place, a
+  // subnormal's mantissa times 2^-9, the sign put back, NaN (|code| = 0x7f) kept.
+  const __m512i low7 = _mm512_set1_epi32(0x7f), rebias = _mm512_set1_epi32(120 << 23);
+  const __m512 scales = _mm512_set1_ps(scale), subnormal_unit = _mm512_set1_ps(1.f / 512.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i)));
+    const __m512i mag = _mm512_and_si512(code, low7);
+    __m512 v = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), rebias));
+    v = _mm512_mask_mul_ps(v, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), _mm512_cvtepi32_ps(mag), subnormal_unit);
+    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, low7), _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(code, _mm512_set1_epi32(0x80)), 24);
+    v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(v, scales));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = kE4m3.value[bits[i]] * scale;
+  return dst;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+#if defined(__AVX512F__)
+// exp(x) = 2^n * 2^f with n = round(x log2 e) and |f| <= 1/2; 2^f = e^(f ln 2) by its Taylor
+// series to degree 7 (truncation below 1e-8); _mm512_scalef_ps applies 2^n, -inf giving 0 and NaN staying NaN.
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  for (float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// s[i] = exp(s[i] - m); returns their sum.
+inline float exp_shifted(float* s, int64_t n, float m) {
+  float sum = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(m)));
+    _mm512_storeu_ps(s + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - m));
+  return sum;
+}
+
+// One (sequence, KV head): its G query heads over keys [first, seq_len) of its block table.
+template <typename T>
+void decode_one(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t seq_len,
+                int64_t first, int64_t kv_head, float k_scale, float v_scale, float sm_scale, int64_t G,
+                int64_t D, int64_t block_size, int64_t num_kv_heads, float* out, std::vector<float>& scores,
+                std::vector<float>& row) {
+  const int64_t n = seq_len - first;
+  scores.resize(G * n);
+  row.resize(D);
+  const int64_t token_stride = num_kv_heads * D;
+  auto cached = [&](const T* cache, int64_t t) {
+    return cache + (table[t / block_size] * block_size + t % block_size) * token_stride + kv_head * D;
+  };
+  for (int64_t t = 0; t < n; ++t) {
+    const float* k = load_row(cached(k_cache, first + t), k_scale, row.data(), D);
+    for (int64_t g = 0; g < G; ++g) scores[g * n + t] = dot(q + g * D, k, D) * sm_scale;
+  }
+  for (int64_t g = 0; g < G; ++g) {  // softmax of each query head's scores, in place
+    float* s = scores.data() + g * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) m = std::isnan(s[t]) || s[t] > m ? s[t] : m;  // NaN wins, as in torch
+    const float inv = 1.f / exp_shifted(s, n, m);
+    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+  }
+  std::fill(out, out + G * D, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    const float* v = load_row(cached(v_cache, first + t), v_scale, row.data(), D);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * n + t];
+      float* o = out + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
+    }
+  }
+}
+
+template <typename T>
+void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                const at::Tensor& seq_lens, const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t window,
+                double sm_scale, at::Tensor& out) {
+  const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), G = Hq / Hkv, M = tables.size(1);
+  const float* qp = q.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float* ks = k_scale.data_ptr<float>();
+  const float* vs = v_scale.data_ptr<float>();
+  const int64_t k_step = k_scale.numel() == 1 ? 0 : 1, v_step = v_scale.numel() == 1 ? 0 : 1;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, row;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / Hkv, h = i % Hkv, len = lens[s];
+      const int64_t first = window > 0 ? std::max<int64_t>(len - window, 0) : 0;
+      decode_one<T>(qp + (s * Hq + h * G) * D, kp, vp, tp + s * M, len, first, h, ks[h * k_step], vs[h * v_step],
+                    static_cast<float>(sm_scale), G, D, block_size, Hkv, op + (s * Hq + h * G) * D, scores, row);
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& k_scale,
+                        const at::Tensor& v_scale, int64_t window, double sm_scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [S, Hq, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type()
+              && k_cache.is_contiguous() && v_cache.is_contiguous(), "K and V caches must be contiguous [N, bs, Hkv, D] of one dtype");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, "head sizes of q and the cache disagree");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && block_tables.scalar_type() == at::kLong
+              && block_tables.is_contiguous(), "block_tables must be contiguous int64 [S, M]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) && seq_lens.scalar_type() == at::kLong
+              && seq_lens.is_contiguous(), "seq_lens must be contiguous int64 [S]");
+  const int64_t Hkv = k_cache.size(2);
+  for (const at::Tensor* s : {&k_scale, &v_scale})
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && (s->numel() == 1 || s->numel() == Hkv),
+                "K/V scales must be contiguous float32 with 1 or Hkv values");
+  const int64_t capacity = block_tables.size(1) * k_cache.size(1);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  for (int64_t s = 0; s < q.size(0); ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= capacity, "seq_lens[", s, "] = ", lens[s], " is outside [1, ", capacity, "]");
+    for (int64_t j = 0; j < (lens[s] + k_cache.size(1) - 1) / k_cache.size(1); ++j)
+      TORCH_CHECK(tables[s * block_tables.size(1) + j] >= 0 && tables[s * block_tables.size(1) + j] < k_cache.size(0),
+                  "block table entry out of range");
+  }
+  at::Tensor out = at::empty_like(q);
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: decode_all<float>(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, window, sm_scale, out); break;
+    case at::kBFloat16: decode_all<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, window, sm_scale, out); break;
+    case at::kHalf: decode_all<at::Half>(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, window, sm_scale, out); break;
+    case at::kFloat8_e4m3fn: decode_all<c10::Float8_e4m3fn>(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, window, sm_scale, out); break;
+    default: TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", k_cache.scalar_type());
+  }
+  return out;
+}
+
+// Saturating cast to FP8 and back: what quantize()'s clamp_ and .to(dtype), then .float(), do.
+template <typename F8>
+inline float round_trip(float v, float fp8_max) {
+  v = std::min(std::max(v, -fp8_max), fp8_max);  // NaN stays NaN (both comparisons are false)
+  return static_cast<float>(F8(v));
+}
+
+template <typename F8>
+void fake_quant_rows(const float* x, const float* shift, const float* static_scale, float fp8_max, int64_t M,
+                     int64_t K, float* out, float* scales) {
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> centred(shift ? K : 0);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x + r * K;
+      if (shift) {  // x.float() - input_shift, kept so that amax and the quotient read the same values
+        for (int64_t i = 0; i < K; ++i) centred[i] = xr[i] - shift[i];
+        xr = centred.data();
+      }
+      float s;
+      if (static_scale) {
+        s = *static_scale;
+      } else {  // scale_from_amax: (amax / max).clamp(min=MIN_SCALE); a NaN amax gives a NaN scale
+        float amax = 0.f;
+        bool nan = false;
+        for (int64_t i = 0; i < K; ++i) {
+          const float a = std::fabs(xr[i]);
+          nan |= std::isnan(a);
+          amax = a > amax ? a : amax;
+        }
+        s = nan ? std::numeric_limits<float>::quiet_NaN() : amax / fp8_max;
+        s = s < 1e-12f ? 1e-12f : s;
+      }
+      scales[r] = s;
+      float* o = out + r * K;
+      for (int64_t i = 0; i < K; ++i) o[i] = round_trip<F8>(xr[i] / s, fp8_max) * s;
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> fp8_fake_quant_rows(const at::Tensor& x, const c10::optional<at::Tensor>& shift,
+                                                       const c10::optional<at::Tensor>& static_scale,
+                                                       at::ScalarType dtype) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  if (shift) TORCH_CHECK(shift->scalar_type() == at::kFloat && shift->is_contiguous() && shift->numel() == K, "shift must be float32 [K]");
+  if (static_scale) TORCH_CHECK(static_scale->scalar_type() == at::kFloat && static_scale->numel() == 1, "static_scale must be float32 [1]");
+  at::Tensor out = at::empty_like(x);
+  at::Tensor scales = static_scale ? static_scale->reshape({1}).clone() : at::empty({M}, x.options());
+  std::vector<float> per_row(static_scale ? M : 0);
+  float* scale_out = static_scale ? per_row.data() : scales.data_ptr<float>();
+  const float* sp = shift ? shift->data_ptr<float>() : nullptr;
+  const float* ssp = static_scale ? static_scale->data_ptr<float>() : nullptr;
+  if (dtype == at::kFloat8_e4m3fn) {
+    fake_quant_rows<c10::Float8_e4m3fn>(x.data_ptr<float>(), sp, ssp, 448.f, M, K, out.data_ptr<float>(), scale_out);
+  } else {
+    TORCH_CHECK(dtype == at::kFloat8_e5m2, "dtype must be float8_e4m3fn or float8_e5m2");
+    fake_quant_rows<c10::Float8_e5m2>(x.data_ptr<float>(), sp, ssp, 57344.f, M, K, out.data_ptr<float>(), scale_out);
+  }
+  return {out, scales};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(qcompile_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor k_scale, Tensor v_scale, int window, float sm_scale) -> Tensor");
+  m.def("fp8_fake_quant_rows(Tensor x, Tensor? shift, Tensor? static_scale, ScalarType dtype) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(qcompile_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("fp8_fake_quant_rows", &fp8_fake_quant_rows);
+}
