@@ -54,8 +54,8 @@ from compiler.quant.int4 import (
 )
 
 # From this many tokens on, a CUDA forward dequantizes W (a Triton kernel) and calls cuBLAS instead
-# of the fused W4A16 kernel, which is faster up to 128 tokens and slower at 2048 (docs/BENCHMARKS.md,
-# "GPU kernels on an H200"; the crossover between the two was not measured).
+# of the fused W4A16 kernel, which is faster up to 128 tokens and slower at 2048 (the W4A16 table of
+# docs/notes/2026-11-h200-gpu-kernels.md; the crossover between the two was not measured).
 DEQUANT_MIN_TOKENS = 256
 
 

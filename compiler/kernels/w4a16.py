@@ -108,7 +108,7 @@ def w4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Ten
 
 def default_config(m: int, n: int, k: int, group_size: int) -> dict:
     """Tiles and K split for M tokens, N outputs, K inputs, picked from the H200 sweep of
-    benchmarks/gpu_kernels.py (docs/BENCHMARKS.md, "GPU kernels on an H200")."""
+    benchmarks/gpu_kernels.py (its W4A16 table: docs/notes/2026-11-h200-gpu-kernels.md)."""
     block_k = min(group_size, 128)
     if m > 16:
         return {"block_m": 64, "block_n": 64, "block_k": block_k, "split_k": 1, "num_warps": 4, "num_stages": 3}
