@@ -1,4 +1,6 @@
-"""Triton Inference Server target: lowering (``lower.py``), the served model (``model.py``), the server (``runtime.py``).
+"""Triton Inference Server target: lowering (``lower.py``; a vLLM-backend repository: ``vllm_repo.py``),
+the server (``runtime.py``). The served model is ``serving/triton_backend.py``, which the
+repository's ``1/model.py`` imports.
 
 Registers the ``triton`` target: the model runs the qcompile engine inside Triton's Python
 backend, so it runs the weight formats the engine runs (``SUPPORTED``).

@@ -15,7 +15,8 @@ from qcompile.cli.console import err, out
 from qcompile.cli.options import emit, json_option, output_json_option
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Quantize, distill and lower Llama-family LLMs to deployment targets.")
+                  help=("Quantize, distill and lower decoder LLMs (Llama, Mistral, Qwen2, Qwen3, Gemma 3, "
+                        "Qwen3-MoE, Mixtral, DeepSeek-V3) to deployment targets."))
 _state = {"debug": False}
 
 
