@@ -255,6 +255,11 @@ def test_artifact_plan_and_fp8_kv_cache(tiny_checkpoint, tmp_path):
     want_fp8 = [reference_with_cache(fp8.model, p, 12, FP8RoundTripCache(fp8.model, len(p) + 12, k_scales, v_scales))
                 for p in prompts]
     assert run_staggered(fp8, prompts) == want_fp8
+    # A float32 cache for the same artifact keeps the model's own FP8 K/V rounding (the FP8 cache
+    # above drops it, storing the same codes): the same tokens either way.
+    float_cache = Engine.from_artifact(art, "cpu", kv_dtype="float32")
+    assert float_cache.cache.k[0].dtype == torch.float32 and float_cache.model.layers[0].self_attn.kv_quant is not None
+    assert run_staggered(float_cache, prompts) == want_fp8
 
 
 class FP8RoundTripCache(ContiguousKVCache):
