@@ -110,40 +110,62 @@ inline float exp_shifted(float* s, int64_t n, float m) {
   return sum;
 }
 
-// One (sequence, KV head): its G query heads over keys [first, seq_len) of its block table.
+// Where a sequence's cached tokens lie, and how each is read.
 template <typename T>
-void decode_one(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t seq_len,
-                int64_t first, int64_t kv_head, float k_scale, float v_scale, float sm_scale, int64_t G,
-                int64_t D, int64_t block_size, int64_t num_kv_heads, float* out, std::vector<float>& scores,
-                std::vector<float>& row) {
-  const int64_t n = seq_len - first;
-  scores.resize(G * n);
-  row.resize(D);
-  const int64_t token_stride = num_kv_heads * D;
-  auto cached = [&](const T* cache, int64_t t) {
-    return cache + (table[t / block_size] * block_size + t % block_size) * token_stride + kv_head * D;
-  };
-  for (int64_t t = 0; t < n; ++t) {
-    const float* k = load_row(cached(k_cache, first + t), k_scale, row.data(), D);
-    for (int64_t g = 0; g < G; ++g) scores[g * n + t] = dot(q + g * D, k, D) * sm_scale;
+struct SeqCache {
+  const T* k;
+  const T* v;
+  const int64_t* table;  // the sequence's block ids
+  int64_t first, n;      // its keys are positions [first, first + n)
+  int64_t block_size, token_stride;  // token_stride = Hkv * D
+
+  // Calls f(t, the [Hkv, D] row of position first + t) for t in [0, n), block by block: the
+  // rows of one block lie one after another, so the cache is read as a stream.
+  template <typename F>
+  void each_token(const T* cache, F&& f) const {
+    for (int64_t t = 0; t < n;) {
+      const int64_t pos = first + t, offset = pos % block_size;
+      const int64_t count = std::min(block_size - offset, n - t);
+      const T* row = cache + (table[pos / block_size] * block_size + offset) * token_stride;
+      for (int64_t j = 0; j < count; ++j, ++t, row += token_stride) f(t, row);
+    }
   }
-  for (int64_t g = 0; g < G; ++g) {  // softmax of each query head's scores, in place
-    float* s = scores.data() + g * n;
+};
+
+// One sequence: every query head (head h reads KV head h / G) over its keys; one K and one V
+// scale per KV head.
+template <typename T>
+void decode_sequence(const float* q, const SeqCache<T>& seq, const float* k_scales, const float* v_scales,
+                     float sm_scale, int64_t Hkv, int64_t G, int64_t D, float* out,
+                     std::vector<float>& scores, std::vector<float>& row) {
+  const int64_t n = seq.n, Hq = Hkv * G;
+  scores.resize(Hq * n);
+  row.resize(D);
+  seq.each_token(seq.k, [&](int64_t t, const T* token) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* k = load_row(token + h * D, k_scales[h], row.data(), D);
+      for (int64_t g = 0; g < G; ++g) scores[(h * G + g) * n + t] = dot(q + (h * G + g) * D, k, D) * sm_scale;
+    }
+  });
+  for (int64_t head = 0; head < Hq; ++head) {  // softmax of each query head's scores, in place
+    float* s = scores.data() + head * n;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < n; ++t) m = std::isnan(s[t]) || s[t] > m ? s[t] : m;  // NaN wins, as in torch
     const float inv = 1.f / exp_shifted(s, n, m);
     for (int64_t t = 0; t < n; ++t) s[t] *= inv;
   }
-  std::fill(out, out + G * D, 0.f);
-  for (int64_t t = 0; t < n; ++t) {
-    const float* v = load_row(cached(v_cache, first + t), v_scale, row.data(), D);
-    for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * n + t];
-      float* o = out + g * D;
+  std::fill(out, out + Hq * D, 0.f);
+  seq.each_token(seq.v, [&](int64_t t, const T* token) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* v = load_row(token + h * D, v_scales[h], row.data(), D);
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[(h * G + g) * n + t];
+        float* o = out + (h * G + g) * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
+        for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
+      }
     }
-  }
+  });
 }
 
 template <typename T>
@@ -152,22 +174,17 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
                 double sm_scale, at::Tensor& out) {
   const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), G = Hq / Hkv, M = tables.size(1);
-  const float* qp = q.data_ptr<float>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const float* ks = k_scale.data_ptr<float>();
-  const float* vs = v_scale.data_ptr<float>();
-  const int64_t k_step = k_scale.numel() == 1 ? 0 : 1, v_step = v_scale.numel() == 1 ? 0 : 1;
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // per-tensor scales are expanded to one per KV head, so the loops index them alike
+  at::Tensor ks = k_scale.expand({Hkv}).contiguous(), vs = v_scale.expand({Hkv}).contiguous();
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, row;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / Hkv, h = i % Hkv, len = lens[s];
-      const int64_t first = window > 0 ? std::max<int64_t>(len - window, 0) : 0;
-      decode_one<T>(qp + (s * Hq + h * G) * D, kp, vp, tp + s * M, len, first, h, ks[h * k_step], vs[h * v_step],
-                    static_cast<float>(sm_scale), G, D, block_size, Hkv, op + (s * Hq + h * G) * D, scores, row);
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t first = window > 0 ? std::max<int64_t>(lens[s] - window, 0) : 0;
+      const SeqCache<T> seq{k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables.data_ptr<int64_t>() + s * M, first,
+                            lens[s] - first, block_size, Hkv * D};
+      decode_sequence<T>(q.data_ptr<float>() + s * Hq * D, seq, ks.data_ptr<float>(), vs.data_ptr<float>(),
+                         static_cast<float>(sm_scale), Hkv, G, D, out.data_ptr<float>() + s * Hq * D, scores, row);
     }
   });
 }
