@@ -114,8 +114,10 @@ def test_triton_decode_fp8_matches_reference(triton_kernel, kernel_device, per_h
     assert relative_error(want, exact) < 0.1  # FP8 storage costs precision, not correctness
 
 
+# head sizes and groups: the register-blocked kernels (D % 64 == 0, G <= 8: G = 3, 4, 1) and the general ones
 @pytest.mark.parametrize("hq,hkv,d,bs,window", [(4, 2, 16, 4, None), (6, 3, 12, 16, None), (4, 4, 8, 8, 6),
-                                                 (8, 1, 32, 5, None), (9, 3, 64, 16, 7)])
+                                                 (8, 1, 32, 5, None), (9, 3, 64, 16, 7), (8, 2, 128, 16, None),
+                                                 (2, 2, 64, 3, 9), (16, 1, 64, 16, None)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_decode_matches_reference(cpu_ops, hq, hkv, d, bs, window, cache_dtype):
     from compiler.kernels.cpu_ext import paged_decode_cpu

@@ -24,6 +24,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -110,7 +112,7 @@ inline float exp_shifted(float* s, int64_t n, float m) {
   return sum;
 }
 
-// Where a sequence's cached tokens lie, and how each is read.
+// Where a sequence's cached tokens lie, and how they are read.
 template <typename T>
 struct SeqCache {
   const T* k;
@@ -119,32 +121,113 @@ struct SeqCache {
   int64_t first, n;      // its keys are positions [first, first + n)
   int64_t block_size, token_stride;  // token_stride = Hkv * D
 
-  // Calls f(t, the [Hkv, D] row of position first + t) for t in [0, n), block by block: the
-  // rows of one block lie one after another, so the cache is read as a stream.
+  // Calls f(t0, count, row of position first + t0) for each run of `count` positions that lie in
+  // one block, one after another (`token_stride` apart), so the cache is read as a stream.
   template <typename F>
-  void each_token(const T* cache, F&& f) const {
+  void each_run(const T* cache, F&& f) const {
     for (int64_t t = 0; t < n;) {
       const int64_t pos = first + t, offset = pos % block_size;
       const int64_t count = std::min(block_size - offset, n - t);
-      const T* row = cache + (table[pos / block_size] * block_size + offset) * token_stride;
-      for (int64_t j = 0; j < count; ++j, ++t, row += token_stride) f(t, row);
+      f(t, count, cache + (table[pos / block_size] * block_size + offset) * token_stride);
+      t += count;
     }
   }
 };
 
-// One sequence: every query head (head h reads KV head h / G) over its keys; one K and one V
-// scale per KV head.
+// `count` rows of one KV head (`stride` apart in the cache) as float32 times the scale: in place
+// for an unscaled float32 cache, else converted into `buffer` (rows D apart). Returns the rows and their stride.
 template <typename T>
+inline std::pair<const float*, int64_t> head_rows(const T* rows, int64_t count, int64_t stride, float scale,
+                                                  int64_t D, std::vector<float>& buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (scale == 1.f) return {rows, stride};
+  }
+  buffer.resize(count * D);
+  for (int64_t t = 0; t < count; ++t) load_row(rows + t * stride, scale, buffer.data() + t * D, D);
+  return {buffer.data(), D};
+}
+
+// scores[g * n + t0 + t] = q_g . k_t * sm_scale for the G query heads of one KV head. G is a
+// template argument so that each head's partial sums stay in registers.
+template <int G>
+void block_scores(const float* q, const float* k, int64_t k_stride, int64_t count, int64_t D, float sm_scale,
+                  float* scores, int64_t n, int64_t t0) {
+  for (int64_t t = 0; t < count; ++t, k += k_stride) {
+    float acc[G] = {};
+    for (int g = 0; g < G; ++g) acc[g] = dot(q + g * D, k, D);
+    for (int g = 0; g < G; ++g) scores[g * n + t0 + t] = acc[g] * sm_scale;
+  }
+}
+
+// out[g] += sum_t p[g * n + t0 + t] * v_t for the G query heads of one KV head, 64 columns at a
+// time so that the G x 64 accumulators stay in registers across the block's rows (D % 64 == 0).
+template <int G>
+void block_values(const float* p, int64_t n, int64_t t0, const float* v, int64_t v_stride, int64_t count, int64_t D,
+                  float* out) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    float acc[G][64];
+    for (int g = 0; g < G; ++g)
+#pragma omp simd
+      for (int j = 0; j < 64; ++j) acc[g][j] = out[g * D + d0 + j];
+    for (int64_t t = 0; t < count; ++t) {
+      const float* row = v + t * v_stride + d0;
+      for (int g = 0; g < G; ++g) {
+        const float w = p[g * n + t0 + t];
+#pragma omp simd
+        for (int j = 0; j < 64; ++j) acc[g][j] += w * row[j];
+      }
+    }
+    for (int g = 0; g < G; ++g)
+#pragma omp simd
+      for (int j = 0; j < 64; ++j) out[g * D + d0 + j] = acc[g][j];
+  }
+}
+
+// The same for any G and D (the register-blocked versions above cover G <= 8 with D % 64 == 0).
+inline void block_values_any(const float* p, int64_t n, int64_t t0, const float* v, int64_t v_stride, int64_t count,
+                             int64_t G, int64_t D, float* out) {
+  for (int64_t t = 0; t < count; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = p[g * n + t0 + t];
+      const float* row = v + t * v_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) out[g * D + d] += w * row[d];
+    }
+}
+
+inline void block_scores_any(const float* q, const float* k, int64_t k_stride, int64_t count, int64_t G, int64_t D,
+                             float sm_scale, float* scores, int64_t n, int64_t t0) {
+  for (int64_t t = 0; t < count; ++t, k += k_stride)
+    for (int64_t g = 0; g < G; ++g) scores[g * n + t0 + t] = dot(q + g * D, k, D) * sm_scale;
+}
+
+template <int G>
+struct Blocked {
+  static void scores(const float* q, const float* k, int64_t ks, int64_t count, int64_t, int64_t D, float sm,
+                     float* s, int64_t n, int64_t t0) { block_scores<G>(q, k, ks, count, D, sm, s, n, t0); }
+  static void values(const float* p, int64_t n, int64_t t0, const float* v, int64_t vs, int64_t count, int64_t,
+                     int64_t D, float* out) { block_values<G>(p, n, t0, v, vs, count, D, out); }
+};
+
+struct AnyG {
+  static void scores(const float* q, const float* k, int64_t ks, int64_t count, int64_t G, int64_t D, float sm,
+                     float* s, int64_t n, int64_t t0) { block_scores_any(q, k, ks, count, G, D, sm, s, n, t0); }
+  static void values(const float* p, int64_t n, int64_t t0, const float* v, int64_t vs, int64_t count, int64_t G,
+                     int64_t D, float* out) { block_values_any(p, n, t0, v, vs, count, G, D, out); }
+};
+
+// One sequence: every query head (head h reads KV head h / G) over its keys; one K and one V
+// scale per KV head. Kernels: Blocked<G> or AnyG.
+template <typename Kernels, typename T>
 void decode_sequence(const float* q, const SeqCache<T>& seq, const float* k_scales, const float* v_scales,
                      float sm_scale, int64_t Hkv, int64_t G, int64_t D, float* out,
-                     std::vector<float>& scores, std::vector<float>& row) {
-  const int64_t n = seq.n, Hq = Hkv * G;
+                     std::vector<float>& scores, std::vector<float>& buffer) {
+  const int64_t n = seq.n, Hq = Hkv * G, stride = seq.token_stride;
   scores.resize(Hq * n);
-  row.resize(D);
-  seq.each_token(seq.k, [&](int64_t t, const T* token) {
+  seq.each_run(seq.k, [&](int64_t t0, int64_t count, const T* rows) {
     for (int64_t h = 0; h < Hkv; ++h) {
-      const float* k = load_row(token + h * D, k_scales[h], row.data(), D);
-      for (int64_t g = 0; g < G; ++g) scores[(h * G + g) * n + t] = dot(q + (h * G + g) * D, k, D) * sm_scale;
+      auto [k, k_stride] = head_rows(rows + h * D, count, stride, k_scales[h], D, buffer);
+      Kernels::scores(q + h * G * D, k, k_stride, count, G, D, sm_scale, scores.data() + h * G * n, n, t0);
     }
   });
   for (int64_t head = 0; head < Hq; ++head) {  // softmax of each query head's scores, in place
@@ -155,17 +238,33 @@ void decode_sequence(const float* q, const SeqCache<T>& seq, const float* k_scal
     for (int64_t t = 0; t < n; ++t) s[t] *= inv;
   }
   std::fill(out, out + Hq * D, 0.f);
-  seq.each_token(seq.v, [&](int64_t t, const T* token) {
+  seq.each_run(seq.v, [&](int64_t t0, int64_t count, const T* rows) {
     for (int64_t h = 0; h < Hkv; ++h) {
-      const float* v = load_row(token + h * D, v_scales[h], row.data(), D);
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = scores[(h * G + g) * n + t];
-        float* o = out + (h * G + g) * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
-      }
+      auto [v, v_stride] = head_rows(rows + h * D, count, stride, v_scales[h], D, buffer);
+      Kernels::values(scores.data() + h * G * n, n, t0, v, v_stride, count, G, D, out + h * G * D);
     }
   });
+}
+
+// decode_sequence with the register-blocked kernels for this G and D where there are some.
+template <typename T>
+void decode_sequence_for(int64_t G, int64_t D, const float* q, const SeqCache<T>& seq, const float* ks,
+                         const float* vs, float sm, int64_t Hkv, float* out, std::vector<float>& scores,
+                         std::vector<float>& buffer) {
+  if (D % 64 == 0) {
+    switch (G) {
+      case 1: return decode_sequence<Blocked<1>>(q, seq, ks, vs, sm, Hkv, G, D, out, scores, buffer);
+      case 2: return decode_sequence<Blocked<2>>(q, seq, ks, vs, sm, Hkv, G, D, out, scores, buffer);
+      case 3: return decode_sequence<Blocked<3>>(q, seq, ks, vs, sm, Hkv, G, D, out, scores, buffer);
+      case 4: return decode_sequence<Blocked<4>>(q, seq, ks, vs, sm, Hkv, G, D, out, scores, buffer);
+      case 5: return decode_sequence<Blocked<5>>(q, seq, ks, vs, sm, Hkv, G, D, out, scores, buffer);
+      case 6: return decode_sequence<Blocked<6>>(q, seq, ks, vs, sm, Hkv, G, D, out, scores, buffer);
+      case 7: return decode_sequence<Blocked<7>>(q, seq, ks, vs, sm, Hkv, G, D, out, scores, buffer);
+      case 8: return decode_sequence<Blocked<8>>(q, seq, ks, vs, sm, Hkv, G, D, out, scores, buffer);
+      default: break;
+    }
+  }
+  decode_sequence<AnyG>(q, seq, ks, vs, sm, Hkv, G, D, out, scores, buffer);
 }
 
 template <typename T>
@@ -178,13 +277,13 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   // per-tensor scales are expanded to one per KV head, so the loops index them alike
   at::Tensor ks = k_scale.expand({Hkv}).contiguous(), vs = v_scale.expand({Hkv}).contiguous();
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, row;
+    std::vector<float> scores, buffer;
     for (int64_t s = begin; s < end; ++s) {
       const int64_t first = window > 0 ? std::max<int64_t>(lens[s] - window, 0) : 0;
       const SeqCache<T> seq{k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables.data_ptr<int64_t>() + s * M, first,
                             lens[s] - first, block_size, Hkv * D};
-      decode_sequence<T>(q.data_ptr<float>() + s * Hq * D, seq, ks.data_ptr<float>(), vs.data_ptr<float>(),
-                         static_cast<float>(sm_scale), Hkv, G, D, out.data_ptr<float>() + s * Hq * D, scores, row);
+      decode_sequence_for<T>(G, D, q.data_ptr<float>() + s * Hq * D, seq, ks.data_ptr<float>(), vs.data_ptr<float>(),
+                             static_cast<float>(sm_scale), Hkv, out.data_ptr<float>() + s * Hq * D, scores, buffer);
     }
   });
 }
