@@ -1,6 +1,6 @@
 """The C++ CPU kernels' FP8 activation op (``compiler/kernels/cpu_ext.py``) against the torch ops it
 replaces (``compiler/quant/fp8.py``): bit for bit, on fresh random inputs. The paged-decode kernel's
-tests sit beside the reference's, in tests/serving/test_serving_paged_attention.py."""
+tests are in tests/compiler/kernels/test_paged_decode.py."""
 from __future__ import annotations
 
 import pytest
