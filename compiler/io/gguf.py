@@ -2,7 +2,16 @@
 
 Per GGUF architecture: the HF architecture it is, whether llama.cpp permuted the q/k rows for
 its RoPE layout (undone here), how its tensors are named, and what llama.cpp changed in them
-(Gemma's norm weights are stored as 1 + w; the w is restored), as transformers reads them.
+(Gemma's norm weights are stored as 1 + w; the w is restored; a MoE layer's experts are stacked
+into one ``ffn_*_exps`` tensor each, split here into one Linear per expert), as transformers
+reads them (``transformers/modeling_gguf_pytorch_utils.py``).
+
+The architectures are those transformers reads that the decoder supports: llama, qwen2, qwen3,
+qwen3moe, gemma3. The rest stop with one line naming the architecture, among them a ``llama``
+file with experts (llama.cpp's Mixtral: transformers reads it as a dense Llama without its
+experts) and ``deepseek2`` (DeepSeek-V2/V3, which transformers does not read). Where transformers
+falls back to a config default for a key the file holds (qwen3's ``attention.key_length``,
+qwen3moe's ``expert_feed_forward_length``), the file's key is read, as llama.cpp reads it.
 """
 from __future__ import annotations
 
@@ -28,6 +37,11 @@ _GEMMA3_LAYER_TENSORS = {
     "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_QWEN3_LAYER_TENSORS = {**_LAYER_TENSORS, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_QWEN3MOE_LAYER_TENSORS = {**_QWEN3_LAYER_TENSORS, "ffn_gate_inp": "mlp.gate"}
+# llama.cpp stacks a layer's experts into one tensor per projection: [num_experts, out, in].
+_QWEN3MOE_EXPERT_TENSORS = {"ffn_gate_exps": "mlp.experts.{}.gate_proj", "ffn_up_exps": "mlp.experts.{}.up_proj",
+                            "ffn_down_exps": "mlp.experts.{}.down_proj"}
 _GLOBAL_TENSORS = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 
 
@@ -37,11 +51,16 @@ class GgufArch:
     permuted_qk: bool = False  # llama.cpp interleaved q/k rows for its RoPE
     layer_tensors: dict[str, str] = field(default_factory=lambda: _LAYER_TENSORS)
     norm_offset: float = 0.0  # stored norm weights = offset + w (Gemma)
+    # Stacked expert tensors: GGUF name -> the HF module of expert {} (empty: a dense model).
+    expert_tensors: dict[str, str] = field(default_factory=dict)
 
 
 GGUF_ARCHITECTURES = {
     "llama": GgufArch("LlamaForCausalLM", permuted_qk=True),
     "qwen2": GgufArch("Qwen2ForCausalLM"),
+    "qwen3": GgufArch("Qwen3ForCausalLM", layer_tensors=_QWEN3_LAYER_TENSORS),
+    "qwen3moe": GgufArch("Qwen3MoeForCausalLM", layer_tensors=_QWEN3MOE_LAYER_TENSORS,
+                         expert_tensors=_QWEN3MOE_EXPERT_TENSORS),
     "gemma3": GgufArch("Gemma3ForCausalLM", layer_tensors=_GEMMA3_LAYER_TENSORS, norm_offset=1.0),
 }
 
@@ -60,22 +79,51 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def _gemma3_fields(reader, path: Path, n_layers: int) -> dict[str, Any]:
+def _gemma3_fields(reader, n_layers: int) -> dict[str, Any]:
     """What transformers assumes for a Gemma 3 GGUF (its Gemma3TextConfig defaults where the file is silent)."""
-    scaling = _field(reader, "gemma3.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise CheckpointError(f"{path}: Gemma 3 GGUF with rope scaling {scaling!r} is not supported")
     window = _field(reader, "gemma3.attention.sliding_window")
     return dict(layer_types=[SLIDING if (i + 1) % 6 else FULL for i in range(n_layers)],
                 sliding_window=int(window) if window else 4096, rope_local_theta=10_000.0,
                 query_pre_attn_scalar=256.0)
 
 
-def gguf_config(reader, path: Path) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+def _experts(reader, arch: str) -> int:
+    """How many experts the file's layers route to: its ``expert_count``, else its stacked expert tensors."""
+    stacked = [t for t in reader.tensors if t.name.endswith("_exps.weight")]
+    # ``t.shape`` lists GGUF's dimensions innermost first: the expert axis is the last one.
+    return int(_field(reader, f"{arch}.expert_count") or (stacked[0].shape[-1] if stacked else 0))
+
+
+def _refuse(reader, path: Path, arch: str) -> None:
+    """What the loader cannot read as transformers does: one line naming it."""
     if arch not in GGUF_ARCHITECTURES:
         supported = ", ".join(GGUF_ARCHITECTURES)
-        raise CheckpointError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {supported}")
+        raise CheckpointError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {supported} "
+                              "(load other architectures from HF safetensors)")
+    experts = _experts(reader, arch)
+    if experts and not GGUF_ARCHITECTURES[arch].expert_tensors:
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} with {experts} experts (llama.cpp's "
+                              "Mixtral) is not supported: transformers reads it as a dense model without its experts; "
+                              "load the HF safetensors checkpoint")
+    # transformers reads no RoPE scaling from GGUF metadata (llama.cpp applies it): neither can match both.
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise CheckpointError(f"{path}: {arch} GGUF with rope scaling {scaling!r} is not supported")
+
+
+def _moe_fields(reader, arch: str) -> dict[str, Any]:
+    """Qwen3-MoE as llama.cpp runs it: every layer routed, top-k weights renormalised (transformers
+    sets norm_topk_prob for these files too); the expert width from the file, else its tensors."""
+    gates = [t for t in reader.tensors if t.name.endswith("ffn_gate_exps.weight")]
+    # No width and no expert tensors: 0, which ModelConfig refuses in one line.
+    width = _field(reader, f"{arch}.expert_feed_forward_length") or (gates[0].shape[1] if gates else 0)
+    return dict(num_experts=_experts(reader, arch), num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count", 0)),
+                moe_intermediate_size=int(width), norm_topk_prob=True)
+
+
+def gguf_config(reader, path: Path) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    _refuse(reader, path, arch)
     names = {t.name for t in reader.tensors}
     n_heads = _field(reader, f"{arch}.attention.head_count")
     dim = _field(reader, f"{arch}.embedding_length")
@@ -84,7 +132,11 @@ def gguf_config(reader, path: Path) -> ModelConfig:
     vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
     if not vocab:
         raise CheckpointError(f"{path}: no {arch}.vocab_size and no tokenizer.ggml.tokens; the file is incomplete")
-    extra = _gemma3_fields(reader, path, n_layers) if arch == "gemma3" else {}
+    extra = {}
+    if arch == "gemma3":
+        extra = _gemma3_fields(reader, n_layers)
+    elif GGUF_ARCHITECTURES[arch].expert_tensors:
+        extra = _moe_fields(reader, arch)
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch].architecture,
         vocab_size=int(vocab),
@@ -121,11 +173,28 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _split_experts(gguf_name: str, w: np.ndarray, expert_tensors: dict[str, str]) -> Iterator[tuple[str, np.ndarray]]:
+    """One stacked ``blk.N.ffn_*_exps.weight`` ([num_experts, out, in]) as each expert's weight."""
+    _, layer, kind, suffix = gguf_name.split(".")
+    module = expert_tensors[kind]
+    for e in range(w.shape[0]):
+        yield f"layers.{layer}.{module.format(e)}.{suffix}", w[e]
+
+
+def _is_stacked(gguf_name: str, expert_tensors: dict[str, str]) -> bool:
+    parts = gguf_name.split(".")
+    return len(parts) == 4 and parts[0] == "blk" and parts[2] in expert_tensors
+
+
 def iter_gguf_tensors(reader, config: ModelConfig, arch_key: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     arch = GGUF_ARCHITECTURES[arch_key]
     for t in reader.tensors:
+        if _is_stacked(t.name, arch.expert_tensors):
+            for name, w in _split_experts(t.name, dequantize(t.data, t.tensor_type), arch.expert_tensors):
+                yield name, torch.from_numpy(np.array(w, copy=True)).to(dtype)
+            continue
         name = _hf_name(t.name, arch.layer_tensors)
         if name is None:
             continue
