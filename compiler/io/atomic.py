@@ -25,6 +25,24 @@ def _fsync_tree(root: Path) -> None:
             os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _plain_modes(root: Path) -> None:
+    """Give the tree the read permissions a plain mkdir / open would (the umask applied): mkdtemp
+    makes the directory 0700 and some writers (safetensors' save_file) their files 0600, which
+    another user — the server in a container that mounts the output — could not read."""
+    mask = _umask()
+    for dirpath, _, files in os.walk(root):
+        os.chmod(dirpath, os.stat(dirpath).st_mode & 0o7777 | (0o755 & ~mask))
+        for f in files:
+            path = os.path.join(dirpath, f)
+            os.chmod(path, os.stat(path).st_mode & 0o7777 | (0o644 & ~mask))
+
+
 def atomic_directory_write(out: Path, write, force: bool = False) -> None:
     """Call ``write(tmp_dir)``, then move tmp_dir to ``out`` in one rename (replacing it if ``force``)."""
     out = Path(out)
@@ -34,6 +52,7 @@ def atomic_directory_write(out: Path, write, force: bool = False) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         write(tmp)
+        _plain_modes(tmp)
         _fsync_tree(tmp)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
@@ -55,6 +74,7 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600, as a plain open would have made it
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

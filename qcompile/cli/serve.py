@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 import tempfile
-import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -19,9 +19,9 @@ def serve_cmd(
                                                 "or with --engine vllm a checkpoint (from 'qcompile lower --target vllm')."),
     engine: str = typer.Option("triton", help="triton: Triton Inference Server; vllm: vLLM's OpenAI API on --http-port."),
     host: str = typer.Option("127.0.0.1", help="Address the HTTP, gRPC and metrics endpoints bind to."),
-    http_port: int = typer.Option(8000, help="HTTP port (KServe v2 + generate extension)."),
-    grpc_port: int = typer.Option(8001, help="gRPC port."),
-    metrics_port: int = typer.Option(8002, help="Prometheus metrics port."),
+    http_port: int = typer.Option(8000, help="HTTP port: Triton's KServe v2 + generate extension, or vLLM's OpenAI API."),
+    grpc_port: int = typer.Option(8001, help="gRPC port (Triton only)."),
+    metrics_port: int = typer.Option(8002, help="Prometheus metrics port (Triton only)."),
     log_file: Optional[Path] = typer.Option(None, help="Server log (default: a temporary file, printed)."),
 ):
     """Start Triton Inference Server (or vLLM) on REPOSITORY; Ctrl-C or SIGTERM stops it cleanly."""
@@ -38,23 +38,11 @@ def serve_cmd(
         raise ConfigError(f"{repository}: no <model>/config.pbtxt inside; write one with 'qcompile lower ARTIFACT --target triton -o {repository}'")
     log = log_file or Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
     server = TritonServer(ServerOptions(repository, host, http_port, grpc_port, metrics_port), log_path=log)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # containers stop with SIGTERM
     out.print(f"starting {'system' if server.install.system else 'nvidia-pytriton'} tritonserver ({server.install.binary}); log {log}")
-    server.start()
     models = ", ".join(sorted(p.parent.name for p in repository.glob("*/config.pbtxt")))
-    out.print(f"[bold green]ready[/bold green]: models {models}\n  HTTP    http://{server.http_url}  (POST /v2/models/<model>/generate_stream)\n"
-              f"  gRPC    {server.grpc_url}\n  metrics http://{host}:{metrics_port}/metrics\nCtrl-C to stop")
-    try:
-        while not stop.is_set() and server.process.poll() is None:
-            stop.wait(0.5)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        code = server.stop()
-    out.print(f"tritonserver stopped (exit code {code})")
-    if code not in (0, None) and not stop.is_set():
-        raise typer.Exit(1)
+    _run_until_stopped(server, lambda: out.print(
+        f"[bold green]ready[/bold green]: models {models}\n  HTTP    http://{server.http_url}  (POST /v2/models/<model>/generate_stream)\n"
+        f"  gRPC    {server.grpc_url}\n  metrics http://{host}:{metrics_port}/metrics\nCtrl-C to stop"), "tritonserver")
 
 
 def serve_vllm(checkpoint: Path, host: str, port: int, log_file: Optional[Path]) -> None:
@@ -70,21 +58,31 @@ def serve_vllm(checkpoint: Path, host: str, port: int, log_file: Optional[Path])
         f"/v1/chat/completions)\n  bench      qcompile bench openai://{server.url}\nCtrl-C to stop"), "vllm serve")
 
 
+class StopRequested(Exception):
+    """SIGTERM arrived: raised from the signal handler, so that it ends a server's start-up wait too."""
+
+
 def _run_until_stopped(server, on_ready, what: str) -> None:
-    """Start ``server``, report readiness, wait for Ctrl-C, SIGTERM or the server's own exit, stop it."""
+    """Start ``server``, report readiness, wait for Ctrl-C, SIGTERM or the server's own exit, stop it.
+    Ctrl-C and SIGTERM (how containers stop) interrupt the start-up wait as well as the serving."""
     from qcompile.cli.console import out
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # containers stop with SIGTERM
+    def on_sigterm(*_):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop is enough: never interrupt the stop itself
+        raise StopRequested
+
+    stopped = False
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         server.start()
         on_ready()
-        while not stop.is_set() and server.process.poll() is None:
-            stop.wait(0.5)
-    except KeyboardInterrupt:
-        stop.set()  # asked for, like SIGTERM
+        while server.process.poll() is None:
+            time.sleep(0.5)
+    except (KeyboardInterrupt, StopRequested):
+        stopped = True
     finally:
         code = server.stop()
+        signal.signal(signal.SIGTERM, previous)
     out.print(f"{what} stopped (exit code {code})")
-    if code not in (0, None) and not stop.is_set():
+    if code not in (0, None) and not stopped:
         raise typer.Exit(1)

@@ -1,7 +1,11 @@
 """The command line as a user meets it: real processes, exit codes, one-line errors."""
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -73,3 +77,33 @@ def test_smollm2_perplexity_protocol():
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["tokens"] == 16 * 511
     assert abs(result["ppl"] - 11.327) < 0.01
+
+
+class NeverReadyServer:
+    """Test double for a server child (tritonserver, vllm serve): it starts a process, then waits for
+    a readiness that never comes, as vLLM does for minutes on a CPU."""
+
+    def __init__(self):
+        self.process = None
+
+    def start(self):
+        self.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()  # a container's stop
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+        raise TimeoutError("SIGTERM did not interrupt the start-up wait")
+
+    def stop(self):
+        self.process.terminate()
+        return self.process.wait(10)
+
+
+def test_sigterm_during_a_servers_start_up_stops_it_at_once():
+    from qcompile.cli.serve import _run_until_stopped
+
+    server, before = NeverReadyServer(), signal.getsignal(signal.SIGTERM)
+    start = time.monotonic()
+    _run_until_stopped(server, lambda: pytest.fail("the server never gets ready"), "test server")
+    assert time.monotonic() - start < 5 and server.process.poll() is not None
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back

@@ -32,8 +32,8 @@ from compiler.io.artifact import load_artifact
 
 pytestmark = pytest.mark.integration
 
-MODELS = {"llama-int4": ("llama", INT4), "qwen2-int4": ("qwen2", INT4), "qwen2-fp8": ("qwen2", FP8),
-          "llama-fp8-kv": ("llama", FP8_KV)}
+MODELS = {"llama-int4": ("llama", INT4), "qwen2-int4": ("qwen2", INT4), "llama-fp8": ("llama", FP8),
+          "qwen2-fp8": ("qwen2", FP8), "llama-fp8-kv": ("llama", FP8_KV)}
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """Every model of MODELS as (artifact, vLLM checkpoint)."""
@@ -48,7 +48,7 @@ def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["llama-int4", "qwen2-int4", "qwen2-fp8"])
+@pytest.mark.parametrize("name", ["llama-int4", "qwen2-int4", "llama-fp8", "qwen2-fp8"])
 def test_vllm_runs_the_export_as_the_engine_does(exported, name, tmp_path):
     artifact, checkpoint = exported[name]
     server = start_server(checkpoint, tmp_path / "vllm.log")

@@ -75,6 +75,31 @@ def test_interrupted_write_leaves_nothing(tiny_checkpoint, tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]
 
 
+def test_atomic_writes_give_the_modes_a_plain_write_would(tmp_path):
+    """mkdtemp's 0700 directory and a writer's 0600 file (safetensors' save_file) would lock out the
+    server of a container that mounts the output: the written tree takes the umask's modes."""
+    import os
+
+    from compiler.io.atomic import atomic_directory_write, atomic_write_text
+
+    def write(tmp):
+        (tmp / "sub").mkdir(mode=0o700)
+        for name, mode in (("weights", 0o600), ("sub/script.sh", 0o700)):
+            (tmp / name).write_text("x")
+            os.chmod(tmp / name, mode)
+
+    mask = os.umask(0o022)
+    try:
+        atomic_directory_write(tmp_path / "out", write)
+        atomic_write_text(tmp_path / "result.json", "{}")
+    finally:
+        os.umask(mask)
+    modes = {p: oct(os.stat(tmp_path / p).st_mode & 0o777) for p in ("out", "out/sub", "out/weights", "out/sub/script.sh",
+                                                                      "result.json")}
+    assert modes == {"out": "0o755", "out/sub": "0o755", "out/weights": "0o644", "out/sub/script.sh": "0o744",
+                     "result.json": "0o644"}
+
+
 @pytest.fixture
 def artifact(tiny_checkpoint, tmp_path):
     src, _ = tiny_checkpoint("llama")
