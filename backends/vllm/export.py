@@ -10,6 +10,14 @@ Tensor names are the Hugging Face ones (``model.layers.0.self_attn.q_proj.weight
 The quantized tensors are the artifact's own codes and scales, moved into compressed-tensors'
 layout, never re-quantized (``backends/vllm/tensors.py``); the schemes are in
 ``backends/vllm/schemes.py``. Everything vLLM could not run is refused before anything is written.
+
+Every entry a pass declared in the manifest is read (``LOWERED_ENTRIES``; any other is refused):
+the FP8 KV cache becomes ``kv_cache_scheme`` and per-layer ``k_scale``/``v_scale``; of the serving
+plan, the KV dtype is what changes the numbers, so it is honoured (the model dtype, or the FP8
+cache) or refused; its paging and batching settings (block size and count, batch limits, prefix
+caching, the engine's fusion and weight packing) size and schedule qcompile's engine, not the
+model: vLLM sizes its cache and batches by its own settings (``VLLM_CPU_KVCACHE_SPACE``, its engine
+arguments), and the plan is recorded in ``qcompile_export.json``.
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
 from compiler.errors import ConfigError
 from compiler.options import option
 from compiler.formats.qlinear import linear_modules, quantized_modules
-from compiler.io.artifact import MANIFEST, load_artifact, read_manifest
+from compiler.io.artifact import MANIFEST, check_lowered_entries, load_artifact, read_manifest
 from compiler.io.atomic import atomic_directory_write
 from compiler.io.types import sha256_files
 from compiler.model.architectures import FULL, SLIDING
@@ -37,6 +45,9 @@ from compiler.model.config import ModelConfig
 CT_VERSION = "0.17.0"
 INDEX_FILE = "model.safetensors.index.json"
 EXPORT_FILE = "qcompile_export.json"
+# The manifest entries (beyond compiler.io.artifact.CORE_KEYS) this export reads: the FP8 KV cache
+# and the serving plan (module docstring).
+LOWERED_ENTRIES = frozenset({"kv_cache", "serving"})
 
 
 @dataclass(frozen=True)
@@ -56,11 +67,15 @@ def hf_name(module: str) -> str:
 
 
 def check_artifact(manifest: dict, where: str) -> None:
-    """Raise ConfigError, before any work, for anything in the artifact vLLM cannot run exactly."""
+    """Raise ConfigError, before any work, for anything in the artifact vLLM cannot run exactly:
+    an entry this export does not know, a module format, or the plan as a whole (KV cache, serving plan)."""
+    check_lowered_entries(manifest, "vllm", LOWERED_ENTRIES, where)
     modules = manifest.get("modules", {})
     config = ModelConfig.from_dict(manifest["model_config"])
     check_formats("vllm", modules, where)
-    check_plan("vllm", DeploymentPlan(manifest["dtype"], modules, kv_cache=manifest.get("kv_cache"), config=config), where)
+    plan = DeploymentPlan(manifest["dtype"], modules, kv_cache=manifest.get("kv_cache"), config=config,
+                          serving=manifest.get("serving"))
+    check_plan("vllm", plan, where)
 
 
 def _check_static_input_scales(model: torch.nn.Module, modules: dict[str, dict], where: str) -> None:
@@ -228,7 +243,7 @@ def export_vllm(artifact: str | Path, out: str | Path, opts: VllmLowerOptions = 
     tensors = checkpoint_tensors(model, manifest)
     record = {"artifact": str(artifact.resolve()), "manifest_sha256": sha256_files([artifact / MANIFEST]),
               "schemes": {hf_name(n): ct_scheme(f)["format"] for n, f in manifest.get("modules", {}).items()},
-              "kv_cache": manifest.get("kv_cache")}
+              "kv_cache": manifest.get("kv_cache"), "serving": manifest.get("serving")}
 
     def write(tmp: Path):
         files = write_shards(tmp, tensors, opts.shard_size_mb << 20)

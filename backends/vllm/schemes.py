@@ -15,7 +15,8 @@ the ``weights`` / ``input_activations`` quantization args and the on-disk ``form
 ``check_module`` says, for one manifest entry, why no stock vLLM kernel runs it (or None);
 ``check_plan`` the same for what no single entry shows: the architecture and its dtype
 (``check_model``), the model dtype, the layer sets vLLM fuses into one GEMM (q/k/v, gate/up),
-which must share one scheme (``check_fused``), the FP8 KV cache (``check_kv_cache``), and a
+which must share one scheme (``check_fused``), the FP8 KV cache (``check_kv_cache``), the serving
+plan's KV dtype (``check_kv_dtype``), and a
 mixture-of-experts layer's experts, which vLLM runs as one FusedMoE of one scheme
 (``check_experts``; its CPU MoE kernels take symmetric INT4 experts, group size other than 32,
 and no per-channel FP8; a Qwen3-MoE dense layer's MLP stays float, ``check_dense_layers``). Every message names the option and what to use instead.
@@ -197,6 +198,21 @@ def check_kv_cache(entry: dict | None) -> str | None:
     return None
 
 
+def check_kv_dtype(kv_dtype: str, dtype: str, kv_cache: dict | None) -> str | None:
+    """None when vLLM stores K/V as the serving plan's ``kv_dtype`` does, else why not.
+
+    vLLM keeps its cache in the model dtype, or in FP8 with the checkpoint's ``kv_cache_scheme``
+    (``qcompile serve`` passes ``--kv-cache-dtype fp8_e4m3``); a plan that rounds K/V to any other
+    dtype computes other numbers than vLLM would, so it is refused rather than dropped."""
+    fp8 = (kv_cache or {}).get("dtype")
+    if kv_dtype in {"auto", dtype, fp8} - {None}:
+        return None
+    why = "it keeps its cache in the model dtype"
+    why += f" or in the artifact's FP8 KV cache ({fp8})" if fp8 else " or in FP8 with an fp8 pass's kv_cache_dtype"
+    return (f"a serving plan that stores K/V as {kv_dtype} in a {dtype} model: vLLM {why}; set the paged_kv "
+            "pass's kv_dtype = \"auto\"")
+
+
 def check_model(config: ModelConfig, dtype: str) -> str | None:
     """None when the export writes the architecture and vLLM runs it in ``dtype``, else why not."""
     arch = config.architecture
@@ -247,13 +263,16 @@ def check_plan(plan: DeploymentPlan) -> str | None:
                 "GPUs) take float16 or bfloat16 activations only; set [model] dtype = \"float16\" (or \"bfloat16\")")
     if "lm_head" in plan.formats:
         return "a quantized lm_head (qcompile exports lm_head in the model dtype); keep lm_head in modules_to_not_convert"
-    kv = plan.kv_cache
-    for name, options in plan.passes:  # a pipeline's FP8 KV cache, before the pass has calibrated it
+    kv, kv_dtype = plan.kv_cache, (plan.serving or {}).get("kv_dtype", "auto")
+    for name, options in plan.passes:  # a pipeline's FP8 KV cache and serving plan, before the passes run
         if name == "fp8" and getattr(options, "kv_cache_dtype", "none") != "none":
             kv = {"dtype": options.kv_cache_dtype, "granularity": options.kv_cache_granularity}
+        if name == "paged_kv":
+            kv_dtype = options.kv_dtype
     experts = expert_linears(config) if config is not None else None
     return (check_fused(plan.formats) or check_experts(plan.formats, experts)
-            or (check_dense_layers(config, plan.formats) if config is not None else None) or check_kv_cache(kv))
+            or (check_dense_layers(config, plan.formats) if config is not None else None) or check_kv_cache(kv)
+            or check_kv_dtype(kv_dtype, plan.dtype, kv))
 
 
 def kv_cache_scheme(entry: dict | None) -> dict | None:

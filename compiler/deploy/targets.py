@@ -20,14 +20,15 @@ from compiler.options import suggest
 @dataclass(frozen=True)
 class DeploymentPlan:
     """What a target is asked to run: the model dtype, every converted module's format entry, the
-    passes with their options (a pipeline's, before it runs), the manifest's KV cache (an artifact's)
-    and the model's config."""
+    passes with their options (a pipeline's, before it runs), the manifest's KV cache and serving
+    plan (an artifact's) and the model's config."""
 
     dtype: str
     formats: dict[str, dict]
     passes: list[tuple[str, Any]] = field(default_factory=list)
     kv_cache: dict | None = None
     config: Any = None  # the model's ModelConfig, for targets that run some architectures only
+    serving: dict | None = None  # the manifest's "serving" entry (the paged_kv pass's resolved plan)
 
 
 @dataclass(frozen=True)

@@ -205,7 +205,8 @@ def float_artifact(tiny_checkpoint_with_tokenizer, tmp_path):
     return compile_with(src, tmp_path / "art", {"name": "paged_kv", "block_size": 8})
 
 
-@pytest.mark.parametrize("target, options", [("onnx", {}), ("ascend", {"soc": "Ascend910B3"}), ("triton", {})])
+@pytest.mark.parametrize("target, options", [("onnx", {}), ("ascend", {"soc": "Ascend910B3"}), ("triton", {}),
+                                             ("vllm", {})])
 def test_every_target_refuses_an_entry_it_does_not_know(float_artifact, tmp_path, target, options):
     """A future pass's entry (here a planted ``sparsity``) must not be dropped silently."""
     manifest = read_raw_manifest(float_artifact)
@@ -224,6 +225,29 @@ def test_onnx_refuses_a_serving_plan_kv_dtype_its_cache_does_not_hold(float_arti
     with pytest.raises(ConfigError, match="serving plan stores K/V as float16, which the onnx bundle's cache does not"):
         lower(float_artifact, "onnx", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_vllm_refuses_a_serving_plan_kv_dtype_its_cache_does_not_hold(float_artifact, tmp_path, kv_dtype):
+    """vLLM keeps K/V in the model dtype (or FP8): a plan rounding them to another dtype is not dropped."""
+    manifest = read_raw_manifest(float_artifact)
+    manifest["serving"]["kv_dtype"] = kv_dtype
+    rewrite_manifest(float_artifact, manifest)
+    with pytest.raises(ConfigError, match=f"serving plan that stores K/V as {kv_dtype} in a float32 model") as e:
+        lower(float_artifact, "vllm", tmp_path / "out")
+    assert "\n" not in str(e.value) and 'kv_dtype = "auto"' in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_vllm_exports_a_float_artifact_with_a_serving_plan(float_artifact, tmp_path):
+    """The plan's KV dtype is the model's; its paging settings are vLLM's own to choose, and recorded."""
+    import json
+
+    from backends.vllm.export import EXPORT_FILE
+
+    out = lower(float_artifact, "vllm", tmp_path / "out")
+    record = json.loads((out / EXPORT_FILE).read_text())
+    assert record["serving"] == read_raw_manifest(float_artifact)["serving"] and record["serving"]["block_size"] == 8
 
 
 def test_onnx_lowers_a_float_artifact_with_a_serving_plan(float_artifact, tmp_path):

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from vllm_helpers import FP8_KV, INT4, compile_for, save_checkpoint
 
 import backends  # noqa: F401  (registers the vllm target)
-from backends.vllm.export import _shards, hf_config, write_shards
+from backends.vllm.export import EXPORT_FILE, _shards, hf_config, write_shards
 from backends.vllm.schemes import check_experts, check_fused
 from compiler.deploy.lowering import lower
 from compiler.errors import ConfigError, PipelineValidationError
@@ -135,6 +135,14 @@ def test_fp8_static_and_weight_only(checkpoint, tmp_path, activations, fmt, inpu
     assert ("model.layers.0.self_attn.q_proj.input_scale" in read_tensors(out)) == input_scale
 
 
+def test_a_serving_plan_over_the_fp8_kv_cache_exports(checkpoint, tmp_path):
+    """The plan stores K/V as the FP8 cache declares, which vLLM runs (kv_cache_scheme)."""
+    pipeline = {"passes": [*FP8_KV["passes"], {"name": "paged_kv", "block_size": 16}]}
+    out = lower(compile_for(checkpoint, pipeline, tmp_path / "artifact"), "vllm", tmp_path / "vllm")
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache_scheme"] is not None
+    assert json.loads((out / EXPORT_FILE).read_text())["serving"]["kv_dtype"] == "float8_e4m3fn"
+
+
 def test_float_artifact_exports_without_quantization_config(checkpoint, tmp_path):
     out = lower(compile_for(checkpoint, {}, tmp_path / "artifact"), "vllm", tmp_path / "vllm")
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
@@ -171,6 +179,8 @@ REFUSED = [
      'kv_cache_granularity = "per_tensor"'),
     ({"passes": [{"name": "fp8", "input_shift": False, "kv_cache_dtype": "float8_e5m2",
                   "kv_cache_granularity": "per_tensor"}]}, 'kv_cache_dtype = "float8_e4m3fn"'),
+    ({"passes": [{"name": "paged_kv", "kv_dtype": "float16"}]}, 'stores K/V as float16 in a float32 model'),
+    ({"passes": [{"name": "paged_kv", "kv_dtype": "float8_e4m3fn"}]}, "an fp8 pass's kv_cache_dtype"),
 ]
 
 
@@ -198,6 +208,7 @@ def test_pipeline_for_vllm_is_refused_before_any_work(checkpoint, tmp_path, monk
     ({"passes": [{"name": "awq", "group_size": 64}]}, 'dtype = "float16"'),
     ({"passes": [{"name": "fp8", "input_shift": False, "kv_cache_dtype": "float8_e4m3fn", "max_layer_error": 10.0}]},
      "per_head"),
+    ({"passes": [{"name": "paged_kv", "kv_dtype": "bfloat16"}]}, 'set the paged_kv pass\'s kv_dtype = "auto"'),
 ])
 def test_lower_refuses_an_existing_artifact_before_writing(checkpoint, tmp_path, pipeline, words):
     artifact = compile_for(checkpoint, pipeline, tmp_path / "artifact", target=None)
