@@ -12,11 +12,13 @@
 Written atomically (a hidden temp directory beside OUT, fsync, rename), so an interrupted
 compile never leaves a directory that looks complete.
 
-Integrity: the manifest lists every tensor's SHA-256, and the weights files' safetensors metadata
-holds the SHA-256 of the manifest's content (its canonical JSON: sorted keys, no whitespace), so
-the two vouch for each other. Reading the manifest checks its checksum; loading checks the schema
-version, every tensor's name, dtype, shape and checksum, and the tokenizer the manifest promises.
-A corrupt, truncated or edited artifact is a one-line ``ArtifactError``, never wrong outputs.
+Integrity: the manifest lists every tensor's SHA-256 and every tokenizer file's
+(``tokenizer_files``), and the weights files' safetensors metadata holds the SHA-256 of the
+manifest's content (its canonical JSON: sorted keys, no whitespace), so the two vouch for each
+other. Reading the manifest checks its checksum and the tokenizer files (each present and
+unchanged, and no file in the directory that the artifact was not written with); loading also
+checks the schema version and every tensor's name, dtype, shape and checksum. A corrupt,
+truncated or edited artifact is a one-line ``ArtifactError``, never wrong outputs.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ MANIFEST_SHA_KEY = "qcompile_manifest_sha256"  # in the weights file's safetenso
 # (``PassContext.manifest_extras``: the FP8 KV cache, the serving plan, ...), which each lowering
 # must either lower or refuse (``check_lowered_entries``).
 CORE_KEYS = frozenset({"schema_version", "created", "source", "model_config", "dtype", "pipeline", "passes",
-                       "modules", "tensors", "aliases", "tokenizer"})
+                       "modules", "tensors", "aliases", "tokenizer", "tokenizer_files"})
 
 
 def manifest_sha256(manifest: dict) -> str:
@@ -104,14 +106,31 @@ def finish_artifact(tmp: Path, writer: ShardWriter, order: list[str], aliases: d
                     for n, e in ((n, writer.entries[n]) for n in order)},
         "aliases": aliases,
         "tokenizer": record.tokenizer is not None,
+        "tokenizer_files": save_tokenizer(tmp, record.tokenizer),
         **record.extras,
     }
     text = json.dumps(manifest, indent=1)
     digest = manifest_sha256(json.loads(text))  # of the content as a reader will parse it
     writer.write(order, {"format": "pt", MANIFEST_SHA_KEY: digest})
-    if record.tokenizer is not None:
-        record.tokenizer.save_pretrained(str(tmp))
     (tmp / MANIFEST).write_text(text)
+
+
+def save_tokenizer(folder: Path, tokenizer: Any) -> dict[str, str]:
+    """Save ``tokenizer`` (None: nothing) into ``folder``; the SHA-256 of each file it wrote, by
+    path relative to ``folder``. Every file that appears is counted, not the names ``save_pretrained``
+    returns, so a file a tokenizer class writes beside them is covered too."""
+    if tokenizer is None:
+        return {}
+    before = set(_files_under(folder))
+    tokenizer.save_pretrained(str(folder))
+    return {name: sha256_files([folder / name]) for name in sorted(set(_files_under(folder)) - before)}
+
+
+def _files_under(folder: Path) -> list[str]:
+    """Every file below ``folder`` (posix paths relative to it), hidden ones (the compile's spool,
+    a file system's bookkeeping, which nothing loads) left out."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
 
 
 def save_artifact(out: str | Path, model: Transformer, tokenizer: Any, source: SourceInfo,
@@ -154,7 +173,41 @@ def read_manifest(path: str | Path) -> dict:
     if manifest_sha256(manifest) != expected:
         raise ArtifactError(f"{path}: {MANIFEST} does not match the checksum its weights file holds (edited or "
                             "corrupt); recompile the artifact rather than editing it")
+    _check_tokenizer_files(path, manifest)
     return manifest
+
+
+def _check_tokenizer_files(path: Path, manifest: dict) -> None:
+    """Each tokenizer file the manifest lists is there and unchanged, and the directory holds no
+    file the artifact was not written with.
+
+    Why any unlisted file, not only "tokenizer files": the tokenizer loader reads whatever names
+    its class and transformers release look for (tokenizer.json, vocab and merges files,
+    sentencepiece models, chat templates, added_tokens.json, even config.json to pick the class),
+    so a file that changes the tokenizer cannot be told by its name.
+
+    An artifact without ``tokenizer_files`` was written before tokenizer files were hashed; it
+    loads as it always did (the tokenizer must be there when promised, ``load_artifact``), since
+    the key's absence is vouched for by the manifest checksum checked above (removing it from a
+    newer manifest is an edit, refused) and refusing would only force a recompile."""
+    listed = manifest.get("tokenizer_files")
+    if listed is None:
+        return
+    for name, digest in listed.items():
+        if not (path / name).is_file():
+            raise ArtifactError(f"{path}: tokenizer file {name} is missing; copy the whole artifact directory, "
+                                "or recompile it")
+        if sha256_files([path / name]) != digest:
+            raise ArtifactError(f"{path}: tokenizer file {name} fails its checksum (edited or corrupt); recompile "
+                                "the artifact rather than editing it")
+    own = {MANIFEST, *listed, *(f.relative_to(path).as_posix() for f in _weight_files(path))}
+    if (path / INDEX).is_file():
+        own.add(INDEX)
+    extra = [name for name in _files_under(path) if name not in own]
+    if extra:
+        raise ArtifactError(f"{path}: holds {extra[0]}{f' (+{len(extra) - 1} more)' if len(extra) > 1 else ''}, "
+                            "which the artifact was not written with (the tokenizer loader may read it); move it "
+                            "out of the artifact directory, or recompile")
 
 
 def _weight_files(path: Path) -> list[Path]:

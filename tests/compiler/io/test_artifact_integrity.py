@@ -1,9 +1,10 @@
 """Every refusal of the artifact loader, each one line naming the artifact: an edited manifest, a
 manifest without its checksum, missing and extra tensors, shape and dtype mismatches, a truncated
-or missing weights file, a missing tokenizer, an unknown weight format, a module the config lacks,
-tensors that do not fit the config, a bad KV-cache entry."""
+or missing weights file, a missing, edited or extra tokenizer file, an unknown weight format, a
+module the config lacks, tensors that do not fit the config, a bad KV-cache entry."""
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -138,11 +139,61 @@ def test_missing_weights_file(artifact):
     refused(artifact, f"no {WEIGHTS}; the artifact is incomplete")
 
 
+def test_the_manifest_hashes_every_tokenizer_file_written(artifact):
+    listed = read_manifest(artifact)["tokenizer_files"]
+    on_disk = sorted(p.name for p in artifact.iterdir() if p.name.startswith("tokenizer"))
+    assert sorted(listed) == on_disk and "tokenizer.json" in listed
+    assert all(listed[name] == hashlib.sha256((artifact / name).read_bytes()).hexdigest() for name in listed)
+
+
 def test_missing_tokenizer(artifact):
     """The manifest promises a tokenizer; without its files the artifact used to load with none."""
     assert read_manifest(artifact)["tokenizer"] is True and load_artifact(artifact).tokenizer is not None
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"):
         (artifact / name).unlink(missing_ok=True)
+    refused(artifact, "tokenizer file tokenizer.json is missing")
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_one_missing_tokenizer_file(artifact, name):
+    (artifact / name).unlink()
+    for load in (load_artifact, read_manifest):  # loading, and lowering (which copies the directory)
+        refused(artifact, f"tokenizer file {name} is missing", load)
+
+
+def test_edited_tokenizer_file(artifact):
+    """One merge rule dropped: a tokenizer that still loads."""
+    path = artifact / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    tokenizer["model"]["merges"] = tokenizer["model"]["merges"][:-1]
+    path.write_text(json.dumps(tokenizer))
+    for load in (load_artifact, read_manifest, artifact_summary):
+        refused(artifact, "tokenizer file tokenizer.json fails its checksum", load)
+
+
+@pytest.mark.parametrize("name", ["added_tokens.json", "chat_template.jinja", "notes/readme.txt"])
+def test_extra_file_in_the_artifact(artifact, name):
+    """A file the artifact was not written with; the first two change what the tokenizer loads."""
+    (artifact / name).parent.mkdir(exist_ok=True)
+    (artifact / name).write_text('{"<extra>": 320}' if name.endswith(".json") else "{{ messages }}")
+    refused(artifact, f"holds {name}, which the artifact was not written with")
+
+
+def test_hidden_files_are_not_the_artifacts(artifact):
+    """A file system's bookkeeping (.DS_Store, .nfs…) is read by nothing."""
+    (artifact / ".DS_Store").write_bytes(b"\0\1")
+    assert load_artifact(artifact).tokenizer is not None
+
+
+def test_an_artifact_from_before_tokenizer_hashes_loads_as_before(artifact):
+    """No ``tokenizer_files``: its tokenizer is loaded unchecked, but must be there when promised."""
+    manifest = read_raw_manifest(artifact)
+    del manifest["tokenizer_files"]
+    rewrite_manifest(artifact, manifest)  # an older qcompile's sealed manifest
+    (artifact / "added_tokens.json").write_text("{}")
+    assert load_artifact(artifact).tokenizer is not None
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (artifact / name).unlink()
     refused(artifact, "the manifest lists a tokenizer but the artifact holds no tokenizer files")
 
 
