@@ -16,12 +16,19 @@ if not HAS_CUDA:
 KERNEL_DEVICE = "cuda" if HAS_CUDA and os.environ.get("TRITON_INTERPRET", "0") != "1" else "cpu"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by -m: the markers added here count
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.gpu`` (optionally ``gpu(capability=(9, 0))``): skipped, with the reason, where
-    no such CUDA device is visible, so ``pytest -m gpu`` on a GPU host runs them as one step."""
+    """``pytest -m gpu`` on a GPU host runs, as one step, every test that can exercise the GPU:
+
+    - ``@pytest.mark.gpu`` (optionally ``gpu(capability=(9, 0))``): CUDA-only tests, skipped with
+      the reason where no such CUDA device is visible;
+    - every test taking ``kernel_device`` (the OpenAI-Triton kernel tests) gets the marker here.
+      Those run compiled on a GPU and in Triton's interpreter elsewhere, so they are not skipped."""
     for item in items:
         marker = item.get_closest_marker("gpu")
         if marker is None:
+            if "kernel_device" in item.fixturenames:
+                item.add_marker(pytest.mark.gpu)
             continue
         need = tuple(marker.kwargs.get("capability", (0, 0)))
         if not HAS_CUDA:
