@@ -2,8 +2,11 @@
 does, F32 tensors: the tensor names from the ``gguf`` package's own HF -> GGUF name map (not
 qcompile's tables), llama's q/k rows permuted for its RoPE, Gemma's norms stored as 1 + w, a MoE
 layer's experts stacked into one ``ffn_{gate,up,down}_exps`` tensor each, and the metadata keys
-the converter writes."""
+the converter writes. Optionally the 2-D and stacked weights quantized (``quant``: Q8_0, or Q4_1 as
+the built-in SmolLM2) and a byte-level BPE tokenizer in the metadata (``tokenizer``)."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 
@@ -76,9 +79,27 @@ def _tensors(hf, arch: str):
         yield f"{gguf_name}.{suffix}", a
 
 
-def write_gguf(path, hf, general_name: str | None = None, rope_scaling: str | None = None) -> str:
-    """Write transformers model ``hf`` to ``path`` as llama.cpp would; returns the GGUF architecture."""
+def add_byte_level_tokenizer(w, tokenizer) -> None:
+    """``tokenizer`` (a byte-level BPE ``PreTrainedTokenizerFast``) as the converter's ``gpt2`` tokenizer metadata."""
     import gguf
+
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])
+    special = set(tokenizer.all_special_tokens)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([token for token, _ in vocab])
+    w.add_token_types([gguf.TokenType.CONTROL if token in special else gguf.TokenType.NORMAL for token, _ in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
+    w.add_bos_token_id(tokenizer.bos_token_id)
+    w.add_eos_token_id(tokenizer.eos_token_id)
+
+
+def write_gguf(path, hf, general_name: str | None = None, rope_scaling: str | None = None, tokenizer=None,
+               quant: str | None = None) -> str:
+    """Write transformers model ``hf`` to ``path`` as llama.cpp would; returns the GGUF architecture.
+    ``quant`` ("Q8_0", "Q4_1") stores the matrices (2-D and stacked) quantized, norms stay float32."""
+    import gguf
+    from gguf.quants import quantize
 
     arch = GGUF_ARCH[hf.config.model_type]
     w = gguf.GGUFWriter(str(path), arch)
@@ -87,8 +108,15 @@ def write_gguf(path, hf, general_name: str | None = None, rope_scaling: str | No
     _metadata(w, hf.config, arch)
     if rope_scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling))
+    if tokenizer is not None:
+        add_byte_level_tokenizer(w, tokenizer)
     for name, a in _tensors(hf, arch):
-        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if quant and a.ndim >= 2:
+            qtype = gguf.GGMLQuantizationType[quant]
+            w.add_tensor(name, quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -140,6 +140,11 @@ def hf_source(path: Path, files: list[Path]) -> SourceInfo:
                       sum(f.stat().st_size for f in files))
 
 
+def gguf_source(path: Path) -> SourceInfo:
+    """The manifest's record of GGUF file ``path``."""
+    return SourceInfo(str(path.resolve()), "gguf", sha256_files([path]), path.stat().st_size)
+
+
 def load_hf_dir(path: Path, dtype: torch.dtype, allow_pickle: bool = False, with_tokenizer: bool = True) -> LoadedModel:
     config = hf_config(path)
     files, pickled = weight_files(path, allow_pickle)
@@ -153,6 +158,6 @@ def load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool = True) -> Lo
 
     config, tensors = read_gguf(path, dtype)
     model = build_model(config, tensors.items(), str(path))
-    source = SourceInfo(str(path.resolve()), "gguf", sha256_files([path]), path.stat().st_size)
+    source = gguf_source(path)
     tokenizer = load_tokenizer(path.parent, gguf_file=path.name) if with_tokenizer else None
     return LoadedModel(model, tokenizer, source)

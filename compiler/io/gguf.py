@@ -12,12 +12,18 @@ file with experts (llama.cpp's Mixtral: transformers reads it as a dense Llama w
 experts) and ``deepseek2`` (DeepSeek-V2/V3, which transformers does not read). Where transformers
 falls back to a config default for a key the file holds (qwen3's ``attention.key_length``,
 qwen3moe's ``expert_feed_forward_length``), the file's key is read, as llama.cpp reads it.
+
+``read_gguf`` reads every tensor through ``GGUFReader``'s memory map (a whole-model load).
+A streamed compile reads a few at a time instead: ``gguf_index`` keeps where each tensor's bytes
+are and lets the map go, and ``read_gguf_tensor`` copies one stored tensor's bytes out of the
+file, so only the tensors handed out stay resident. Both convert through ``_model_tensors``, so
+they give the same numbers.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 import torch
@@ -186,26 +192,93 @@ def _is_stacked(gguf_name: str, expert_tensors: dict[str, str]) -> bool:
     return len(parts) == 4 and parts[0] == "blk" and parts[2] in expert_tensors
 
 
-def iter_gguf_tensors(reader, config: ModelConfig, arch_key: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _model_tensors(data: np.ndarray, tensor_type, gguf_name: str, config: ModelConfig, arch: GgufArch,
+                   dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """One stored tensor (``data``: its bytes as the reader types them) as our model's tensors:
+    one, or one per expert for a stacked experts tensor."""
     from gguf.quants import dequantize
 
+    w = dequantize(data, tensor_type)
+    if _is_stacked(gguf_name, arch.expert_tensors):
+        for name, expert in _split_experts(gguf_name, w, arch.expert_tensors):
+            yield name, torch.from_numpy(np.array(expert, copy=True)).to(dtype)  # its own memory, not the stack's
+        return
+    name = _hf_name(gguf_name, arch.layer_tensors)
+    if arch.permuted_qk and name.endswith("q_proj.weight"):
+        w = _unpermute(w, config.n_heads)
+    elif arch.permuted_qk and name.endswith("k_proj.weight"):
+        w = _unpermute(w, config.n_kv_heads)
+    if arch.norm_offset and "norm.weight" in gguf_name:
+        w = w - np.float32(arch.norm_offset)
+    # A float32 tensor comes back as a view of the reader's read-only map: copied, as a tensor must
+    # own writable memory. Dequantized ones (and a streamed read's own buffer) are used as they are,
+    # which spares a copy of each tensor at the peak.
+    yield name, torch.from_numpy(np.array(w, copy=not w.flags.writeable)).to(dtype)
+
+
+def _is_model_tensor(gguf_name: str, arch: GgufArch) -> bool:
+    return _is_stacked(gguf_name, arch.expert_tensors) or _hf_name(gguf_name, arch.layer_tensors) is not None
+
+
+def iter_gguf_tensors(reader, config: ModelConfig, arch_key: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     arch = GGUF_ARCHITECTURES[arch_key]
     for t in reader.tensors:
-        if _is_stacked(t.name, arch.expert_tensors):
-            for name, w in _split_experts(t.name, dequantize(t.data, t.tensor_type), arch.expert_tensors):
-                yield name, torch.from_numpy(np.array(w, copy=True)).to(dtype)
+        if _is_model_tensor(t.name, arch):
+            yield from _model_tensors(t.data, t.tensor_type, t.name, config, arch, dtype)
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    """Where one stored tensor's bytes are in a GGUF file, and how the reader types them."""
+
+    offset: int
+    nbytes: int
+    dtype: np.dtype  # the element type the reader views the bytes as (uint8 for quantized blocks)
+    shape: tuple[int, ...]  # the reader's shape of those elements
+    tensor_type: Any  # gguf.GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class GgufIndex:
+    """A GGUF file's config and its stored tensors, with no mapping of the file kept open."""
+
+    config: ModelConfig
+    arch: GgufArch
+    stored: dict[str, GgufTensor]  # by GGUF name
+    names: dict[str, str]  # each of our tensor names -> the GGUF tensor holding it (a stack holds many)
+
+
+def gguf_index(path: Path) -> GgufIndex:
+    """Read the header of GGUF ``path``: its config and where each tensor is (no tensor is read)."""
+    reader = _reader(path)
+    config = gguf_config(reader, path)
+    arch = GGUF_ARCHITECTURES[_field(reader, "general.architecture")]
+    stored, names = {}, {}
+    for t in reader.tensors:
+        if not _is_model_tensor(t.name, arch):
             continue
-        name = _hf_name(t.name, arch.layer_tensors)
-        if name is None:
-            continue
-        w = dequantize(t.data, t.tensor_type)
-        if arch.permuted_qk and name.endswith("q_proj.weight"):
-            w = _unpermute(w, config.n_heads)
-        elif arch.permuted_qk and name.endswith("k_proj.weight"):
-            w = _unpermute(w, config.n_kv_heads)
-        if arch.norm_offset and "norm.weight" in t.name:
-            w = w - np.float32(arch.norm_offset)
-        yield name, torch.from_numpy(np.array(w, copy=True)).to(dtype)  # copy: the reader maps the file read-only
+        stored[t.name] = GgufTensor(t.data_offset, t.data.nbytes, t.data.dtype, tuple(t.data.shape), t.tensor_type)
+        if _is_stacked(t.name, arch.expert_tensors):  # the experts' names; slicing the map reads nothing
+            names.update((name, t.name) for name, _ in _split_experts(t.name, t.data, arch.expert_tensors))
+        else:
+            names[_hf_name(t.name, arch.layer_tensors)] = t.name
+    return GgufIndex(config, arch, stored, names)  # the reader, and its map of the file, go here
+
+
+def read_gguf_tensor(f: BinaryIO, index: GgufIndex, gguf_name: str, dtype: torch.dtype,
+                     where: Path) -> dict[str, torch.Tensor]:
+    """Our tensors from stored tensor ``gguf_name`` of the indexed GGUF file open as ``f``, read
+    into memory of their own and converted as ``read_gguf`` converts them."""
+    entry = index.stored[gguf_name]
+    data = np.empty(entry.nbytes, dtype=np.uint8)
+    f.seek(entry.offset)
+    if f.readinto(memoryview(data)) != entry.nbytes:
+        raise CheckpointError(f"{where}: tensor {gguf_name} ends past the end of the file; the file is truncated")
+    try:
+        return dict(_model_tensors(data.view(entry.dtype).reshape(entry.shape), entry.tensor_type, gguf_name,
+                                   index.config, index.arch, dtype))
+    except (ValueError, IndexError) as e:
+        raise CheckpointError(f"{where}: tensor {gguf_name} could not be read ({e}); the file is corrupt") from None
 
 
 def read_gguf_config(path: Path) -> ModelConfig:

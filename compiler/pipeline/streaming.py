@@ -1,6 +1,6 @@
 """Streamed compile: a model bigger than memory, one decoder block at a time.
 
-The checkpoint stays on disk (``compiler.io.stream.StreamedCheckpoint``). The embeddings, final
+The checkpoint stays on disk (``compiler.io.stream``: safetensors or GGUF). The embeddings, final
 norm and lm_head are loaded once; then, for each decoder block in turn, the block is
 materialised, the pipeline's block pass calibrates and converts it (``BlockStream.block``; its
 calibration activations flow on to the next block), its tensors are spooled to the artifact's
@@ -10,7 +10,8 @@ files ``save_artifact`` writes, through the same code (``finish_artifact``), so 
 in-memory compile of one model write the same bytes; the whole directory is renamed into place
 at once (``atomic_directory_write``).
 
-What can stream (``streaming_blocker``): a HF checkpoint with safetensors weights, and a pipeline
+What can stream (``streaming_blocker``): a HF checkpoint with safetensors weights or a GGUF file
+(its tensors read and dequantized one by one), and a pipeline
 whose passes have scope "block" (one at most: AWQ, or FP8 without lm_head) or "config" (no
 weights: paged_kv); a pass of scope "model" (distill) needs the whole model, and its memory is
 planned as such.
@@ -27,7 +28,7 @@ from compiler.formats.qlinear import quantized_modules
 from compiler.io.artifact import ArtifactRecord, dedupe_shared, finish_artifact
 from compiler.io.atomic import atomic_directory_write
 from compiler.io.shards import ShardWriter
-from compiler.io.stream import StreamedCheckpoint, release_freed_memory
+from compiler.io.stream import BlockReader, is_gguf, open_streamed, release_freed_memory
 from compiler.model.config import ModelConfig
 from compiler.model.transformer import DecoderLayer, Transformer
 from compiler.pipeline import PassContext, PassReport, Pipeline, PipelineConfig
@@ -36,9 +37,10 @@ from compiler.progress import track
 
 def streaming_blocker(pipeline: Pipeline, config: ModelConfig, path: Path) -> str | None:
     """Why a compile of ``path`` with ``pipeline`` cannot stream, or None when it can."""
-    if not (path.is_dir() and (path / "config.json").exists() and not (path / "manifest.json").exists()):
-        return f"{path.name} is not a Hugging Face checkpoint directory (GGUF files and artifacts load whole)"
-    if not ((path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()):
+    hf_dir = path.is_dir() and (path / "config.json").exists() and not (path / "manifest.json").exists()
+    if not (hf_dir or is_gguf(path)):
+        return f"{path.name} is not a Hugging Face checkpoint directory or a GGUF file (artifacts load whole)"
+    if hf_dir and not ((path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()):
         return f"{path.name} holds no safetensors weights"
     scopes = [(p.name, p.scope(config)) for p in pipeline.passes]
     whole = [name for name, scope in scopes if scope == "model"]
@@ -56,7 +58,7 @@ def compile_streamed(path: Path, config: PipelineConfig, pipeline: Pipeline, out
     write the artifact ``out``; returns the passes' reports."""
     from compiler.io.types import parse_dtype
 
-    reader = StreamedCheckpoint(path, parse_dtype(config.model.dtype))
+    reader = open_streamed(path, parse_dtype(config.model.dtype))
     reports: list[PassReport] = []
 
     def write(tmp: Path):
@@ -99,7 +101,7 @@ class _Spooled:
     modules: dict[str, dict] = field(default_factory=dict)
 
 
-def _run_and_spool(pipeline: Pipeline, shell: Transformer, reader: StreamedCheckpoint, context: PassContext,
+def _run_and_spool(pipeline: Pipeline, shell: Transformer, reader: BlockReader, context: PassContext,
                    writer: ShardWriter, reports: list[PassReport]) -> _Spooled:
     """Run the passes in order, the block pass over each block as it is read, and spool every
     block's tensors."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import time
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import passes  # noqa: F401  (registers the passes)
 from compiler.errors import ConfigError
 from compiler.io.artifact import load_artifact
 from compiler.io.checkpoint import hf_config
-from compiler.io.stream import StreamedCheckpoint
+from compiler.io.stream import BlockReader, StreamedCheckpoint
 from compiler.pipeline import Pipeline, PipelineConfig
 from compiler.pipeline.compile import compile_model
 from compiler.model.transformer import Transformer
@@ -75,6 +76,41 @@ def test_streamed_artifact_is_byte_for_byte_the_in_memory_one(tiny_checkpoint_wi
     assert formats == {"int4" if name == "awq" else "fp8"}
 
 
+@pytest.fixture
+def tiny_gguf(byte_tokenizer, tmp_path):
+    """Factory: a tiny model (conftest's Llama, or an ``arch_helpers`` case) written as llama.cpp
+    writes GGUF, with its tokenizer; ``quant``: its matrices' type (float32 when None)."""
+    from arch_helpers import make_arch_model
+    from conftest import make_hf_model
+    from gguf_helpers import write_gguf
+
+    def make(quant: str | None = None, case: str = "llama"):
+        path = tmp_path / f"tiny-{case}-{quant or 'F32'}.gguf"
+        vocab = len(byte_tokenizer)
+        hf = (make_hf_model("llama", vocab_size=vocab, **TINY) if case == "llama"
+              else make_arch_model(case, vocab_size=vocab, num_hidden_layers=2))
+        write_gguf(path, hf, tokenizer=byte_tokenizer, quant=quant)
+        return path
+
+    return make
+
+
+@pytest.mark.parametrize("quant, name, case", [("Q4_1", "awq", "llama"), ("Q8_0", "fp8", "llama"),
+                                               (None, "awq", "llama"), ("Q8_0", "awq", "qwen3-moe")])
+def test_streamed_gguf_is_byte_for_byte_the_in_memory_one(tiny_gguf, tmp_path, same_clock, quant, name, case):
+    """A GGUF file streams too: its tensors read and dequantized one by one (q/k rows unpermuted,
+    a MoE layer's stacked experts split), to the same bytes as the whole-file load."""
+    src = tiny_gguf(quant, case)
+    in_memory = compile_model(src, pipeline(name), tmp_path / "memory", streaming="off")
+    streamed = compile_model(src, pipeline(name), tmp_path / "streamed", streaming="on")
+    assert streamed.streamed and not in_memory.streamed
+    expected, got = files(tmp_path / "memory"), files(tmp_path / "streamed")
+    assert list(got) == list(expected)
+    assert [f for f in expected if got[f] != expected[f]] == []
+    reloaded = load_artifact(tmp_path / "streamed")
+    assert reloaded.manifest["source"]["kind"] == "gguf" and reloaded.tokenizer is not None
+
+
 @pytest.mark.parametrize("case", ["qwen3-moe", "gemma3", "deepseek-v3"])
 def test_streamed_awq_matches_in_memory_beyond_the_llama_family(byte_tokenizer, tmp_path, same_clock, case):
     """Every expert's smoothing, the starved-expert policy, Gemma's norm placement and MLA's
@@ -105,20 +141,30 @@ def test_sharded_artifacts_match_and_reload(tiny_checkpoint_with_tokenizer, tmp_
     assert reloaded.source.size_bytes == sum(len(b) for n, b in got.items() if n.endswith(".safetensors"))
 
 
-def test_streamed_compile_holds_one_block_at_a_time(tiny_checkpoint_with_tokenizer, tmp_path, monkeypatch):
-    src, _ = tiny_checkpoint_with_tokenizer("llama", **TINY)
-    read = StreamedCheckpoint.block
+def mapped(path) -> bool:
+    """Whether this process maps checkpoint ``path`` (a file, or a directory's safetensors files):
+    a map kept open counts every page read so far in the process's memory."""
+    gc.collect()
+    return str(path.resolve()) in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+def test_streamed_compile_holds_one_block_at_a_time(tiny_checkpoint_with_tokenizer, tiny_gguf, tmp_path, monkeypatch,
+                                                    source):
+    src = tiny_checkpoint_with_tokenizer("llama", **TINY)[0] if source == "safetensors" else tiny_gguf("Q8_0")
+    read = BlockReader.block
     blocks: list[weakref.ref] = []
 
     def block(self, index):
         gc.collect()
         alive = [i for i, ref in enumerate(blocks) if ref() is not None]
         assert not alive, f"reading block {index} while block(s) {alive} are still in memory"
+        assert not mapped(src), f"{src.name} is still mapped"
         layer = read(self, index)
         blocks.append(weakref.ref(layer.input_layernorm.weight))  # a tensor the pass keeps (it scales it in place)
         return layer
 
-    monkeypatch.setattr(StreamedCheckpoint, "block", block)
+    monkeypatch.setattr(BlockReader, "block", block)
     compile_model(src, pipeline("awq"), tmp_path / "out", streaming="on")
     assert len(blocks) == TINY["num_hidden_layers"]
 
