@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,37 +179,38 @@ def read_manifest(path: str | Path) -> dict:
     return manifest
 
 
-def _check_tokenizer_files(path: Path, manifest: dict) -> None:
-    """Each tokenizer file the manifest lists is there and unchanged, and the directory holds no
-    file the artifact was not written with.
-
-    Why any unlisted file, not only "tokenizer files": the tokenizer loader reads whatever names
-    its class and transformers release look for (tokenizer.json, vocab and merges files,
-    sentencepiece models, chat templates, added_tokens.json, even config.json to pick the class),
-    so a file that changes the tokenizer cannot be told by its name.
+def _check_tokenizer_files(path: Path, manifest: dict, where: Path | None = None) -> None:
+    """Each tokenizer file the manifest lists is there (in ``path``) and unchanged; errors name ``where`` (the artifact). Other files in the directory
+    are not refused: the tokenizer is loaded from the listed files alone (``_load_tokenizer``).
 
     An artifact without ``tokenizer_files`` was written before tokenizer files were hashed; it
     loads as it always did (the tokenizer must be there when promised, ``load_artifact``), since
     the key's absence is vouched for by the manifest checksum checked above (removing it from a
     newer manifest is an edit, refused) and refusing would only force a recompile."""
-    listed = manifest.get("tokenizer_files")
-    if listed is None:
-        return
-    for name, digest in listed.items():
+    where = where or path
+    for name, digest in (manifest.get("tokenizer_files") or {}).items():
         if not (path / name).is_file():
-            raise ArtifactError(f"{path}: tokenizer file {name} is missing; copy the whole artifact directory, "
+            raise ArtifactError(f"{where}: tokenizer file {name} is missing; copy the whole artifact directory, "
                                 "or recompile it")
         if sha256_files([path / name]) != digest:
-            raise ArtifactError(f"{path}: tokenizer file {name} fails its checksum (edited or corrupt); recompile "
+            raise ArtifactError(f"{where}: tokenizer file {name} fails its checksum (edited or corrupt); recompile "
                                 "the artifact rather than editing it")
-    own = {MANIFEST, *listed, *(f.relative_to(path).as_posix() for f in _weight_files(path))}
-    if (path / INDEX).is_file():
-        own.add(INDEX)
-    extra = [name for name in _files_under(path) if name not in own]
-    if extra:
-        raise ArtifactError(f"{path}: holds {extra[0]}{f' (+{len(extra) - 1} more)' if len(extra) > 1 else ''}, "
-                            "which the artifact was not written with (the tokenizer loader may read it); move it "
-                            "out of the artifact directory, or recompile")
+
+
+def _load_tokenizer(path: Path, manifest: dict):
+    """The artifact's tokenizer from exactly the files its manifest lists, copied into a private
+    directory and checked there: the tokenizer loader reads whatever names its class looks for
+    (vocab and merges files, added_tokens.json, chat templates, config.json), so a file dropped
+    beside them — a note, an eval result, or one meant to change the tokenizer — is never read."""
+    listed = manifest.get("tokenizer_files")
+    if listed is None:  # written before the hashes: read from the directory, as it always was
+        return load_tokenizer(path)
+    with tempfile.TemporaryDirectory(prefix="qcompile-tokenizer-") as tmp:
+        for name in listed:
+            (Path(tmp) / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path / name, Path(tmp) / name)
+        _check_tokenizer_files(Path(tmp), manifest, path)  # the copies are what is read
+        return load_tokenizer(Path(tmp))
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -325,7 +328,7 @@ def load_artifact(path: str | Path) -> LoadedModel:
     model = build_from_manifest(manifest, _read_tensors(path, manifest), str(path))
     tokenizer = None
     if manifest.get("tokenizer"):
-        tokenizer = load_tokenizer(path)
+        tokenizer = _load_tokenizer(path, manifest)
         if tokenizer is None:
             raise ArtifactError(f"{path}: the manifest lists a tokenizer but the artifact holds no tokenizer files; "
                                 "copy the whole artifact directory, or recompile it")
