@@ -18,8 +18,8 @@ import onnx
 import torch
 
 from backends.onnx.bundle import DECODE_FILE, PREFILL_FILE, WEIGHTS_FILE, OnnxBundleInfo
-from backends.onnx.graph import (DEFAULT_ACCURACY_LEVEL, MATMULNBITS_ACCURACY_LEVELS, GraphSpec, build_graph,
-                                 kv_cache_export)
+from backends.onnx.graph import DEFAULT_ACCURACY_LEVEL, MATMULNBITS_ACCURACY_LEVELS, GraphSpec, build_graph
+from backends.onnx.kv_rounding import kv_cache_export
 from compiler.errors import ConfigError
 from compiler.formats.int4 import Int4Linear
 from compiler.formats.qlinear import quantized_modules
