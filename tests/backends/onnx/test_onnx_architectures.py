@@ -6,13 +6,14 @@ MoE feed-forwards of Qwen3-MoE and Mixtral (router softmax, top-k, renormalisati
 Each tiny random model (``arch_helpers.ARCH_CASES``) is lowered float and INT4 (MatMulNBits at
 accuracy_level 0, against ``Int4Linear``'s dequantize reference) and compared with our torch
 model on fresh random ids: prefill, decode steps through the KV cache past the sliding window,
-and 32 greedy tokens. DeepSeek-V3 is refused (tests/compiler/model/test_architecture_support.py)."""
+32 greedy tokens, and rows of different lengths decoding together (GroupQueryAttention's per-row
+lengths, each row against the model run on its sequence alone). DeepSeek-V3 is refused (tests/compiler/model/test_architecture_support.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from onnx_helpers import make_arch_artifact, rel_error
+from onnx_helpers import make_arch_artifact, ragged_rows_error, rel_error
 
 from backends.onnx.export import OnnxExportOptions, export_onnx
 from backends.onnx.runner import OnnxRunner
@@ -78,6 +79,15 @@ def test_greedy_generation_identical(lowered):
     ids = torch.randint(0, loaded.model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
     expected = loaded.model.generate(ids, 32).numpy()
     np.testing.assert_array_equal(OnnxRunner(out, threads=1).generate(ids.numpy(), 32), expected)
+
+
+def test_rows_of_different_lengths_decode_together(lowered):
+    """Prompts of 4, 13 and 7 tokens in rows of one cache, decoded together past the window of 8
+    (Gemma 3's sliding layers, mixtral-sliding), a row leaving half-way: each row as the torch model."""
+    loaded, out = lowered
+    worst = ragged_rows_error(loaded, out, [4, 13, 7], steps=8, seed=5)
+    print(f"{loaded.model.config.architecture} ragged rows: worst relative error {worst:.1e}")
+    assert worst < TOLERANCE
 
 
 @pytest.mark.parametrize("case", ["gemma3-scalar-linear-rope-softcap", "qwen3-moe", "mixtral"])
