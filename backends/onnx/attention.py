@@ -29,7 +29,7 @@ import torch.nn as nn
 from onnx import TensorProto
 
 from backends.onnx.kv_rounding import kv_rounding
-from backends.onnx.ops import MS_DOMAIN, GraphBuilder, fused_rope, linear, rms_norm, rope
+from backends.onnx.ops import MS_DOMAIN, GraphBuilder, fused_rope, linear, packed_linear, rms_norm, rope
 from compiler.model.transformer import Transformer
 
 RopeTable = tuple[str, str, bool]  # (cos, sin, fused: half tables [L, D / 2] for the contrib ops)
@@ -260,24 +260,15 @@ class FusedAttention(AttentionEmitter):
 
     def __call__(self, x: str, attn: nn.Module, i: int) -> tuple[str, list[str]]:
         b, c, p, dq = self.b, self.c, f"layers.{i}.self_attn", self.spec.dequantize
-        q = linear(b, x, attn.q_proj, f"{p}.q_proj", dq)
-        k = linear(b, x, attn.k_proj, f"{p}.k_proj", dq)
-        v = linear(b, x, attn.v_proj, f"{p}.v_proj", dq)
-        if c.spec.qk_norm:  # per head, before RoPE; GroupQueryAttention's own q/k norm inputs are not honoured on the CPU
-            q = self._merge(rms_norm(b, self._split(q, c.n_heads, p), attn.q_norm, f"{p}.q_norm"), p)
-            k = self._merge(rms_norm(b, self._split(k, c.n_kv_heads, p), attn.k_norm, f"{p}.k_norm"), p)
         cos, sin, fused = self.rope_table(attn.rope_index)
         # The op's own rotary would come after the FP8 rounding of K, which rounds the roped K.
         in_op = fused and self.spec.rotary_in_attention and attn.kv_quant is None
-        if fused and not in_op:
-            offset = self._rotary_offset(p)
-            q, k = fused_rope(b, q, cos, sin, offset, p), fused_rope(b, k, cos, sin, offset, p)
-        elif not fused:
-            q = self._merge(rope(b, self._split(q, c.n_heads, p), cos, sin, c.head_dim // 2, p), p)
-            k = self._merge(rope(b, self._split(k, c.n_kv_heads, p), cos, sin, c.head_dim // 2, p), p)
-        if attn.kv_quant is not None:
-            k, v = kv_rounding(b, attn, self._split(k, c.n_kv_heads, p), self._split(v, c.n_kv_heads, p), p, head_axis=2)
-            k, v = self._merge(k, p), self._merge(v, p)
+        # Nothing between the projections and the op (no q/k norm, no rotary, no rounding): one packed
+        # projection, which the op reads as q, k and v side by side ([B, T, (H + 2 Hkv) D]).
+        packed = None
+        if in_op and not c.spec.qk_norm:
+            packed = packed_linear(b, x, [attn.q_proj, attn.k_proj, attn.v_proj], f"{p}.qkv_proj", dq)
+        q, k, v = (packed, "", "") if packed is not None else self._qkv(x, attn, p, (cos, sin, fused), in_op)
         seqlens_k, total, *query_seqlens = self.lengths()
         inputs = [q, k, v, f"past_key.{i}", f"past_value.{i}", seqlens_k, total, *([cos, sin] if in_op else ["", ""])]
         if query_seqlens:  # input 16, after the optional inputs this graph leaves out
@@ -293,6 +284,28 @@ class FusedAttention(AttentionEmitter):
         # present_* are the op's own outputs: bound to the past buffers, the op writes the new rows in place.
         b.nodes[-1].output[1], b.nodes[-1].output[2] = f"present_key.{i}", f"present_value.{i}"
         return linear(b, out, attn.o_proj, f"{p}.o_proj", dq), [f"present_key.{i}", f"present_value.{i}"]
+
+    def _qkv(self, x: str, attn: nn.Module, p: str, table: RopeTable, in_op: bool) -> tuple[str, str, str]:
+        """q, k, v [B, T, H * D] projected apart: q/k norms per head, the rotary embedding when the op
+        does not apply it, the FP8 rounding of K and V."""
+        b, c, dq = self.b, self.c, self.spec.dequantize
+        q = linear(b, x, attn.q_proj, f"{p}.q_proj", dq)
+        k = linear(b, x, attn.k_proj, f"{p}.k_proj", dq)
+        v = linear(b, x, attn.v_proj, f"{p}.v_proj", dq)
+        if c.spec.qk_norm:  # per head, before RoPE; GroupQueryAttention's own q/k norm inputs are not honoured on the CPU
+            q = self._merge(rms_norm(b, self._split(q, c.n_heads, p), attn.q_norm, f"{p}.q_norm"), p)
+            k = self._merge(rms_norm(b, self._split(k, c.n_kv_heads, p), attn.k_norm, f"{p}.k_norm"), p)
+        cos, sin, fused = table
+        if fused and not in_op:
+            offset = self._rotary_offset(p)
+            q, k = fused_rope(b, q, cos, sin, offset, p), fused_rope(b, k, cos, sin, offset, p)
+        elif not fused:
+            q = self._merge(rope(b, self._split(q, c.n_heads, p), cos, sin, c.head_dim // 2, p), p)
+            k = self._merge(rope(b, self._split(k, c.n_kv_heads, p), cos, sin, c.head_dim // 2, p), p)
+        if attn.kv_quant is not None:
+            k, v = kv_rounding(b, attn, self._split(k, c.n_kv_heads, p), self._split(v, c.n_kv_heads, p), p, head_axis=2)
+            k, v = self._merge(k, p), self._merge(v, p)
+        return q, k, v
 
 
 def attention_emitter(model: Transformer, spec, b: GraphBuilder) -> AttentionEmitter:

@@ -107,7 +107,8 @@ def test_fp8_weights_export_dequantized(case, tmp_path):
 
 
 def test_int4_experts_and_projections_are_matmulnbits(lowered):
-    """Every INT4 module, each expert's included, is one MatMulNBits node; the routers are float MatMuls."""
+    """Every INT4 module, each expert's included, is in one MatMulNBits node (a layer's q, k and v in one,
+    packed, where no q/k norm comes between them and the attention); the routers are float MatMuls."""
     import onnx
 
     from backends.onnx.bundle import PREFILL_FILE
@@ -116,8 +117,11 @@ def test_int4_experts_and_projections_are_matmulnbits(lowered):
     loaded, out = lowered
     graph = onnx.load(str(out / PREFILL_FILE), load_external_data=False).graph
     nbits = {n.input[1].removesuffix(".qweight") for n in graph.node if n.op_type == "MatMulNBits"}
+    # q, k and v packed as one (nothing between them and GroupQueryAttention: no q/k norm)
+    packed = {name.replace("qkv_proj", proj) for name in nbits if name.endswith(".qkv_proj") for proj in ("q_proj", "k_proj", "v_proj")}
     quantized = {name for name, m in loaded.model.named_modules() if hasattr(m, "qweight")}
-    assert nbits == quantized
+    assert {name for name in nbits if not name.endswith(".qkv_proj")} | packed == quantized
+    assert not packed or not loaded.model.config.spec.qk_norm
     matmuls = {n.input[1].removesuffix(".weight_t") for n in graph.node if n.op_type == "MatMul"}
     assert set(router_names(loaded.model.config)) <= matmuls
 

@@ -104,21 +104,35 @@ def test_standard_attention_graphs_write_the_cache_once(lowered, tmp_path):
     assert OnnxBundleInfo.read(out).attention == "standard"
 
 
+def node_modules(node, quantized: dict) -> list:
+    """The INT4 modules a MatMulNBits node computes: one, or a layer's q, k and v packed side by side."""
+    name = node.input[1].removesuffix(".qweight")
+    if name.endswith(".qkv_proj"):
+        return [quantized[name.replace("qkv_proj", proj)] for proj in ("q_proj", "k_proj", "v_proj")]
+    return [quantized[name]]
+
+
 def test_int4_layers_are_matmulnbits_from_packed_buffers(lowered):
+    """Each INT4 layer's buffers are MatMulNBits' own, unchanged; with GroupQueryAttention a layer's q, k
+    and v are one MatMulNBits over their buffers stacked (the op reads them side by side)."""
     loaded, out = lowered
     model = onnx.load(str(out / PREFILL_FILE))
     inits = {t.name: t for t in model.graph.initializer}
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     quantized = {name: m for name, m in loaded.model.named_modules() if hasattr(m, "qweight")}
-    assert len(nbits) == len(quantized)
-    for node in nbits:
+    covered = [node_modules(node, quantized) for node in nbits]
+    assert sorted(id(m) for ms in covered for m in ms) == sorted(id(m) for m in quantized.values())
+    assert sum(len(ms) == 3 for ms in covered) == (loaded.model.config.n_layers if quantized else 0)
+    for node, modules in zip(nbits, covered):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        module = quantized[node.input[1].removesuffix(".qweight")]
+        first = modules[0]
         assert node.domain == "com.microsoft"
-        assert attrs == {"K": module.in_features, "N": module.out_features, "bits": 4, "block_size": module.group_size,
-                         "accuracy_level": 0}
-        np.testing.assert_array_equal(numpy_helper.to_array(inits[node.input[1]]), module.qweight.numpy())
-        np.testing.assert_array_equal(numpy_helper.to_array(inits[node.input[3]]), module.qzeros.numpy().reshape(-1))
+        assert attrs == {"K": first.in_features, "N": sum(m.out_features for m in modules), "bits": 4,
+                         "block_size": first.group_size, "accuracy_level": 0}
+        np.testing.assert_array_equal(numpy_helper.to_array(inits[node.input[1]]),
+                                      np.concatenate([m.qweight.numpy() for m in modules]))
+        np.testing.assert_array_equal(numpy_helper.to_array(inits[node.input[3]]),
+                                      np.concatenate([m.qzeros.numpy().reshape(-1) for m in modules]))
     info = OnnxBundleInfo.read(out)
     assert set(info.layers) == set(quantized)
 
