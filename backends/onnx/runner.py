@@ -73,6 +73,8 @@ class OnnxRunner:
         self.per_row = self.info.attention == "gqa"
         self.length = 0
         self._cache: KVCache | None = None
+        # Per session, the last binding and the cache rows it binds (``_binding``).
+        self._bindings: dict[int, tuple[KVCache, int, int, object]] = {}
 
     def new_cache(self, rows: int) -> KVCache:
         return KVCache(self.info, rows)
@@ -112,9 +114,12 @@ class OnnxRunner:
     # -- one call -----------------------------------------------------------------------------
     def _run(self, session, cache: KVCache, start: int, input_ids: np.ndarray, past_lens: np.ndarray | None) -> np.ndarray:
         """One graph call over cache rows start..start+B-1; ``past_lens`` None: a prefill from position 0."""
-        binding = session.io_binding()
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, np.int64))
-        binding.bind_output("logits")  # first, so get_outputs()[0] is the logits
+        binding = self._binding(session, cache, start, start + input_ids.shape[0])
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, np.int64))  # copied: no buffer is kept
+        # A new array each call, bound by pointer: an output ONNX Runtime allocated would be reused by the
+        # binding's next call, overwriting the logits returned before.
+        logits = np.empty((*input_ids.shape, self.info.vocab_size), NP_DTYPES[self.info.dtype])
+        binding.bind_output("logits", "cpu", 0, logits.dtype, logits.shape, logits.ctypes.data)
         if past_lens is not None and self.per_row:
             binding.bind_cpu_input("past_lens", np.ascontiguousarray(past_lens, np.int64))
         elif past_lens is not None:
@@ -122,10 +127,21 @@ class OnnxRunner:
                 raise ConfigError(f"{self.dir}: this bundle's graphs take one length for the whole batch (standard "
                                   "attention); lower it again without --no-fused-attention to decode rows of different lengths")
             binding.bind_cpu_input("past_len", past_lens[:1])
-        # The GroupQueryAttention prefill reads the buffers as its past too (nothing before position 0).
-        cache.bind(binding, start, start + input_ids.shape[0], as_input=past_lens is not None or self.per_row)
         session.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy()
+        return logits
+
+    def _binding(self, session, cache: KVCache, start: int, stop: int):
+        """An IO binding with the cache rows start..stop-1 bound, reused while the rows are
+        the same: binding the 2 x layers cache tensors anew costs about a millisecond a call in Python."""
+        held = self._bindings.get(id(session))
+        if held is not None and held[0] is cache and held[1:3] == (start, stop):
+            return held[3]
+        binding = session.io_binding()
+        # The prefill graph has past inputs only with GroupQueryAttention (they read nothing before position 0).
+        as_input = session is self.decode_session or self.per_row
+        cache.bind(binding, start, stop, as_input)
+        self._bindings[id(session)] = (cache, start, stop, binding)  # holds the cache: its arrays outlive the binding
+        return binding
 
     def _check_room(self, seq: int, start: int) -> None:
         if start + seq > self.info.max_len:
