@@ -1,12 +1,18 @@
 """Decode latency per token at batch 1 on this CPU: INT4 MatMulNBits vs float ONNX vs torch.
 
-    python benchmarks/onnx_decode.py [--tokens 32] [--repeats 3] [--threads N] [--accuracy-levels 0,4] [--json]
+    python benchmarks/onnx_decode.py [--tokens 32] [--repeats 3] [--threads N] [--accuracy-levels 0,4]
+        [--attention gqa,standard,gqa-rotary-op] [--max-len L] [--json]
 
 All run in one process on the same prompt, interleaved per repeat (best repeat kept), so the
 ratios are measured under the same machine load. The torch baselines are the plain model and its
 INT4 copy (torch's INT4 CPU kernel) with the contiguous KV cache. INT4 is RTN
 (``Int4Linear.from_float``, group 64, every linear layer but the tied lm_head), exported once per
-MatMulNBits ``accuracy_level``. "rel. error" is each ONNX bundle's prefill logits against its
+MatMulNBits ``accuracy_level``; every ONNX bundle once per ``--attention``: ``gqa`` (the default
+lowering: GroupQueryAttention, the rotary embedding inside it), ``gqa-rotary-op`` (GroupQueryAttention
+after com.microsoft RotaryEmbedding nodes) and ``standard`` (``--no-fused-attention``: standard-op
+attention over every cache slot). ``--max-len`` is the bundles' cache length (default: the prompt
+and the decoded tokens; a serving bundle's default is 1024, and the standard attention reads every
+slot of it). "rel. error" is each ONNX bundle's prefill logits against its
 torch model run on the dequantize reference (max |diff| / max |ref|). The memory-bandwidth floor
 is the weight bytes each decode step must read divided by the bandwidth of a large
 ``numpy.copyto`` (bytes read + written per second).
@@ -36,6 +42,10 @@ from compiler.model.kv_cache import ContiguousKVCache  # noqa: E402
 
 PROMPT_LEN = 32
 GROUP = 64
+# --attention -> (label suffix, export options)
+ATTENTION = {"gqa": ("GroupQueryAttention", {}),
+             "gqa-rotary-op": ("GroupQueryAttention after RotaryEmbedding", {"rotary_in_attention": False}),
+             "standard": ("standard attention", {"fused_attention": False})}
 
 
 def measure_bandwidth(mib: int = 512, repeats: int = 5) -> float:
@@ -96,23 +106,29 @@ def prefill_rel_error(runner: OnnxRunner, model, prompt: torch.Tensor) -> float:
     return float(np.abs(got - ref).max() / np.abs(ref).max()) if np.isfinite(got).all() else float("inf")
 
 
-def run(tokens: int, repeats: int, threads: int, accuracy_levels: list[int]) -> dict:
+def run(tokens: int, repeats: int, threads: int, accuracy_levels: list[int], attention: list[str],
+        max_len: int | None = None) -> dict:
     torch.set_num_threads(threads)
     loaded = load_checkpoint("smollm2")
     int4 = int4_copy(loaded.model)
+    max_len = max_len or PROMPT_LEN + tokens + 1
     torch_models = {"torch float32": loaded.model, "torch INT4 g64": int4}
-    onnx_models = {"ONNX float32": (loaded.model, 0)}
-    onnx_models.update({f"ONNX INT4 MatMulNBits g64 accuracy_level={level}": (int4, level) for level in accuracy_levels})
-    models = {**torch_models, **{label: model for label, (model, _) in onnx_models.items()}}
+    onnx_models = {}
+    for kind in attention:
+        suffix, options = ATTENTION[kind]
+        onnx_models[f"ONNX float32, {suffix}"] = (loaded.model, 0, options)
+        onnx_models.update({f"ONNX INT4 MatMulNBits g64 accuracy_level={level}, {suffix}": (int4, level, options)
+                            for level in accuracy_levels})
+    models = {**torch_models, **{label: model for label, (model, _, _) in onnx_models.items()}}
     prompt = torch.randint(0, loaded.model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     rel_errors = {}
     with tempfile.TemporaryDirectory() as tmp:
         runners = {}
-        for i, (label, (model, level)) in enumerate(onnx_models.items()):
+        for i, (label, (model, level, options)) in enumerate(onnx_models.items()):
             variant = copy.copy(loaded)
             variant.model = model
             out = Path(tmp) / str(i)
-            export_onnx(variant, out, OnnxExportOptions(max_len=PROMPT_LEN + tokens + 1, accuracy_level=level))
+            export_onnx(variant, out, OnnxExportOptions(max_len=max_len, accuracy_level=level, **options))
             runners[label] = OnnxRunner(out, threads=threads)
             rel_errors[label] = prefill_rel_error(runners[label], model, prompt)
         best = {label: float("inf") for label in models}
@@ -128,7 +144,8 @@ def run(tokens: int, repeats: int, threads: int, accuracy_levels: list[int]) -> 
         rows.append({"runtime": label, "ms_per_token": 1e3 * seconds, "speedup_vs_torch": best["torch float32"] / seconds,
                      "weight_mib_per_token": weight_bytes_per_token(models[label]) / 2**20,
                      "floor_ms": 1e3 * floor, "fraction_of_floor": floor / seconds, "rel_error": rel_errors.get(label)})
-    return {"tokens": tokens, "repeats": repeats, "threads": threads, "bandwidth_gb_s": bandwidth / 1e9, "rows": rows}
+    return {"tokens": tokens, "repeats": repeats, "threads": threads, "max_len": max_len,
+            "bandwidth_gb_s": bandwidth / 1e9, "rows": rows}
 
 
 def print_table(result: dict) -> None:
@@ -136,7 +153,8 @@ def print_table(result: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"SmolLM2-135M decode, batch 1, {result['threads']} threads, best of {result['repeats']} × "
-                        f"{result['tokens']} tokens; copy bandwidth {result['bandwidth_gb_s']:.1f} GB/s")
+                        f"{result['tokens']} tokens, ONNX cache length {result['max_len']}; "
+                        f"copy bandwidth {result['bandwidth_gb_s']:.1f} GB/s")
     for col in ("runtime", "ms/token", "× torch", "weights MiB/token", "floor ms", "floor / measured", "rel. error"):
         table.add_column(col, justify="left" if col == "runtime" else "right")
     for r in result["rows"]:
@@ -152,9 +170,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--accuracy-levels", default="0,4", help="MatMulNBits accuracy_level of each INT4 bundle")
+    parser.add_argument("--attention", default="gqa", help=f"attention of each ONNX bundle, a comma list of {', '.join(ATTENTION)}")
+    parser.add_argument("--max-len", type=int, help="the ONNX bundles' cache length (default: prompt + tokens + 1)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = run(args.tokens, args.repeats, args.threads, [int(v) for v in args.accuracy_levels.split(",")])
+    attention = args.attention.split(",")
+    if unknown := set(attention) - set(ATTENTION):
+        parser.error(f"--attention {', '.join(sorted(unknown))}: not one of {', '.join(ATTENTION)}")
+    result = run(args.tokens, args.repeats, args.threads, [int(v) for v in args.accuracy_levels.split(",")], attention,
+                 args.max_len)
     print(json.dumps(result, indent=1)) if args.json else print_table(result)
 
 
