@@ -4,7 +4,9 @@
         [--attention gqa,standard,gqa-rotary-op] [--max-len L] [--json]
 
 All run in one process on the same prompt, interleaved per repeat (best repeat kept), so the
-ratios are measured under the same machine load. The torch baselines are the plain model and its
+ratios are measured under the same machine load; "CPU ms/token" is the process's CPU time per
+token, which other processes' load barely moves (at ``--threads 1``; with more it also counts the
+threads' spinning). The torch baselines are the plain model and its
 INT4 copy (torch's INT4 CPU kernel) with the contiguous KV cache. INT4 is RTN
 (``Int4Linear.from_float``, group 64, every linear layer but the tied lm_head), exported once per
 MatMulNBits ``accuracy_level``; every ONNX bundle once per ``--attention``: ``gqa`` (the default
@@ -71,24 +73,31 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return total
 
 
-def torch_decode(model, prompt: torch.Tensor, tokens: int) -> float:
+def per_token(start: tuple[float, float], tokens: int) -> tuple[float, float]:
+    """(wall, CPU) seconds per token since ``start`` = (perf_counter, process_time). The process's CPU
+    time barely moves with other processes' load: at one thread it is the figure to compare on a
+    shared machine (at more it also counts the threads' spinning)."""
+    return (time.perf_counter() - start[0]) / tokens, (time.process_time() - start[1]) / tokens
+
+
+def torch_decode(model, prompt: torch.Tensor, tokens: int) -> tuple[float, float]:
     c = model.config
     cache = ContiguousKVCache(c.n_layers, 1, PROMPT_LEN + tokens + 1, c.n_kv_heads, c.head_dim)
     with torch.no_grad():
         logits = model(prompt, torch.arange(PROMPT_LEN)[None], cache)
-        start = time.perf_counter()
+        start = time.perf_counter(), time.process_time()
         for t in range(tokens):
             next_id = logits[:, -1].argmax(-1, keepdim=True)
             logits = model(next_id, torch.tensor([[PROMPT_LEN + t]]), cache)
-        return (time.perf_counter() - start) / tokens
+        return per_token(start, tokens)
 
 
-def onnx_decode(runner: OnnxRunner, prompt: np.ndarray, tokens: int) -> float:
+def onnx_decode(runner: OnnxRunner, prompt: np.ndarray, tokens: int) -> tuple[float, float]:
     logits = runner.prefill(prompt)
-    start = time.perf_counter()
+    start = time.perf_counter(), time.process_time()
     for _ in range(tokens):
         logits = runner.decode(logits[:, -1].argmax(-1)[:, None].astype(np.int64))
-    return (time.perf_counter() - start) / tokens
+    return per_token(start, tokens)
 
 
 def int4_copy(model):
@@ -132,16 +141,18 @@ def run(tokens: int, repeats: int, threads: int, accuracy_levels: list[int], att
             runners[label] = OnnxRunner(out, threads=threads)
             rel_errors[label] = prefill_rel_error(runners[label], model, prompt)
         best = {label: float("inf") for label in models}
+        best_cpu = dict(best)
         for _ in range(repeats):  # interleaved, so load changes hit every runtime alike
-            for label, model in torch_models.items():
-                best[label] = min(best[label], torch_decode(model, prompt, tokens))
-            for label, runner in runners.items():
-                best[label] = min(best[label], onnx_decode(runner, prompt.numpy(), tokens))
+            for label in models:
+                wall, cpu = (torch_decode(models[label], prompt, tokens) if label in torch_models
+                             else onnx_decode(runners[label], prompt.numpy(), tokens))
+                best[label], best_cpu[label] = min(best[label], wall), min(best_cpu[label], cpu)
     bandwidth = measure_bandwidth()
     rows = []
     for label, seconds in best.items():
         floor = weight_bytes_per_token(models[label]) / bandwidth
-        rows.append({"runtime": label, "ms_per_token": 1e3 * seconds, "speedup_vs_torch": best["torch float32"] / seconds,
+        rows.append({"runtime": label, "ms_per_token": 1e3 * seconds, "cpu_ms_per_token": 1e3 * best_cpu[label],
+                     "speedup_vs_torch": best["torch float32"] / seconds,
                      "weight_mib_per_token": weight_bytes_per_token(models[label]) / 2**20,
                      "floor_ms": 1e3 * floor, "fraction_of_floor": floor / seconds, "rel_error": rel_errors.get(label)})
     return {"tokens": tokens, "repeats": repeats, "threads": threads, "max_len": max_len,
@@ -155,10 +166,12 @@ def print_table(result: dict) -> None:
     table = Table(title=f"SmolLM2-135M decode, batch 1, {result['threads']} threads, best of {result['repeats']} × "
                         f"{result['tokens']} tokens, ONNX cache length {result['max_len']}; "
                         f"copy bandwidth {result['bandwidth_gb_s']:.1f} GB/s")
-    for col in ("runtime", "ms/token", "× torch", "weights MiB/token", "floor ms", "floor / measured", "rel. error"):
+    for col in ("runtime", "ms/token", "CPU ms/token", "× torch", "weights MiB/token", "floor ms", "floor / measured",
+                "rel. error"):
         table.add_column(col, justify="left" if col == "runtime" else "right")
     for r in result["rows"]:
-        table.add_row(r["runtime"], f"{r['ms_per_token']:.2f}", f"{r['speedup_vs_torch']:.2f}", f"{r['weight_mib_per_token']:.1f}",
+        table.add_row(r["runtime"], f"{r['ms_per_token']:.2f}", f"{r['cpu_ms_per_token']:.2f}", f"{r['speedup_vs_torch']:.2f}",
+                      f"{r['weight_mib_per_token']:.1f}",
                       f"{r['floor_ms']:.2f}", f"{100 * r['fraction_of_floor']:.0f}%",
                       "" if r["rel_error"] is None else f"{r['rel_error']:.1e}")
     Console().print(table)
