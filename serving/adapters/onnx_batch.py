@@ -76,10 +76,14 @@ class ContinuousBatcher:
             request.cancelled = True  # harmless once finished; frees the row of a consumer that left early
 
     async def close(self) -> None:
+        """Stop the loop; every request still in flight ends with an "abort" event."""
         if self._task is not None:
             self._task.cancel()
         for request in [*self.running, *self.waiting]:
+            if not request.cancelled:
+                request.events.put_nowait(StreamEvent(finish_reason="abort"))
             request.cancelled = True
+        self.running, self.waiting = [], deque()
 
     async def _run(self) -> None:
         while self.waiting or self.running:

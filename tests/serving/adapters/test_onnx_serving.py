@@ -15,6 +15,7 @@ from onnx_helpers import make_artifact
 from backends.ascend.atc import AtcOptions
 from backends.ascend.lower import lower_ascend
 from backends.onnx.export import OnnxExportOptions, export_onnx
+from compiler.errors import ConfigError
 from compiler.io.artifact import load_artifact
 from compiler.kernels.int4_cpu import reference_only
 from serving.adapters._stream import sample
@@ -152,6 +153,21 @@ def test_onnx_adapter_delivers_a_runtime_failure_to_every_request(onnx_bundle, m
         return await asyncio.wait_for(results, timeout=60)
 
     assert [str(r) for r in asyncio.run(run())] == ["decode failed"] * 3
+
+
+def test_onnx_adapter_refuses_a_prompt_that_does_not_fit_and_aborts_on_close(onnx_bundle):
+    adapter = OnnxRuntimeAdapter(onnx_bundle, threads=1)
+    with pytest.raises(ConfigError, match="does not fit the cache"):
+        collect(adapter, [3] * 128, SamplingParams(max_tokens=4))
+
+    async def close_midway():
+        stream = adapter.generate(*REQUESTS[1])
+        first = await stream.__anext__()
+        await adapter.close()
+        return [first] + [e async for e in stream]
+
+    events = asyncio.run(asyncio.wait_for(close_midway(), timeout=30))  # without the abort it would wait forever
+    assert events[-1].finish_reason == "abort" and len(events) < 20
 
 
 def test_onnx_adapter_standard_attention_bundle_serves_one_at_a_time(artifact_with_tokenizer, onnx_bundle, tmp_path):
