@@ -169,10 +169,17 @@ def run_llama_cpp(args) -> dict:
 def run_onnx(artifact: Path, args, standard: bool = False) -> dict:
     """The artifact lowered to ONNX (MatMulNBits at the default accuracy level; ``standard``: with
     --no-fused-attention); the KV-cache length is the graph's."""
+    from unittest import mock
+
+    from serving.adapters.onnx import OnnxRuntimeAdapter
+
     n = context_len(args)
     flags = ["--max-len", str(n)] + (["--no-fused-attention"] if standard else [])
     dest = args.work_dir / f"onnx-{artifact.name}-len{n}{'-standard' if standard else ''}"
-    return both_workloads(str(lowered(artifact, "onnx", dest, *flags)), args, tokenizer=artifact)
+    bundle = lowered(artifact, "onnx", dest, *flags)
+    # The bench suite opens the adapter with its defaults (a thread per core); --threads, as every runtime gets.
+    with mock.patch.object(OnnxRuntimeAdapter, "from_dir", classmethod(lambda cls, d: cls(d, threads=args.threads))):
+        return both_workloads(str(bundle), args, tokenizer=artifact)
 
 
 def child_prompts(args, count: int) -> list[list[int]]:
