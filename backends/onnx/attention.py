@@ -23,6 +23,8 @@ com.microsoft RotaryEmbedding or standard ops before it.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -35,7 +37,7 @@ from compiler.model.transformer import Transformer
 RopeTable = tuple[str, str, bool]  # (cos, sin, fused: half tables [L, D / 2] for the contrib ops)
 
 
-class AttentionEmitter:
+class AttentionEmitter(ABC):
     """What both kinds share: the graph-wide positions and RoPE tables, built once and read by every layer."""
 
     def __init__(self, model: Transformer, spec, b: GraphBuilder):
@@ -75,15 +77,17 @@ class AttentionEmitter:
             tables.append((self._gathered(cos_t), self._gathered(sin_t), False))
         return tables
 
+    @abstractmethod
     def _build_positions(self) -> str:
-        raise NotImplementedError
+        """This call's absolute positions, in the layout the subclass's tables are gathered with."""
 
+    @abstractmethod
     def _gathered(self, table: str) -> str:
-        raise NotImplementedError
+        """This call's rows of a full [L, D] RoPE table, shaped to broadcast against the subclass's q/k."""
 
+    @abstractmethod
     def __call__(self, x: str, attn: nn.Module, i: int) -> tuple[str, list[str]]:
         """x [B, T, dim] (normalised) -> the attention block's output [B, T, dim] and the layer's present names."""
-        raise NotImplementedError
 
     def _seq_len(self, scope: str) -> str:
         """T, int64 scalar."""
