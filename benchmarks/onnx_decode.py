@@ -1,12 +1,20 @@
 """Decode latency per token at batch 1 on this CPU: INT4 MatMulNBits vs float ONNX vs torch.
 
-    python benchmarks/onnx_decode.py [--tokens 32] [--repeats 3] [--threads N] [--accuracy-levels 0,4] [--json]
+    python benchmarks/onnx_decode.py [--tokens 32] [--repeats 3] [--threads N] [--accuracy-levels 0,4]
+        [--attention gqa,standard,gqa-rotary-op] [--max-len L] [--json]
 
 All run in one process on the same prompt, interleaved per repeat (best repeat kept), so the
-ratios are measured under the same machine load. The torch baselines are the plain model and its
+ratios are measured under the same machine load; "CPU ms/token" is the process's CPU time per
+token, which other processes' load barely moves (at ``--threads 1``; with more it also counts the
+threads' spinning). The torch baselines are the plain model and its
 INT4 copy (torch's INT4 CPU kernel) with the contiguous KV cache. INT4 is RTN
 (``Int4Linear.from_float``, group 64, every linear layer but the tied lm_head), exported once per
-MatMulNBits ``accuracy_level``. "rel. error" is each ONNX bundle's prefill logits against its
+MatMulNBits ``accuracy_level``; every ONNX bundle once per ``--attention``: ``gqa`` (the default
+lowering: GroupQueryAttention, the rotary embedding inside it), ``gqa-rotary-op`` (GroupQueryAttention
+after com.microsoft RotaryEmbedding nodes) and ``standard`` (``--no-fused-attention``: standard-op
+attention over every cache slot). ``--max-len`` is the bundles' cache length (default: the prompt
+and the decoded tokens; a serving bundle's default is 1024, and the standard attention reads every
+slot of it). "rel. error" is each ONNX bundle's prefill logits against its
 torch model run on the dequantize reference (max |diff| / max |ref|). The memory-bandwidth floor
 is the weight bytes each decode step must read divided by the bandwidth of a large
 ``numpy.copyto`` (bytes read + written per second).
@@ -36,6 +44,10 @@ from compiler.model.kv_cache import ContiguousKVCache  # noqa: E402
 
 PROMPT_LEN = 32
 GROUP = 64
+# --attention -> (label suffix, export options)
+ATTENTION = {"gqa": ("GroupQueryAttention", {}),
+             "gqa-rotary-op": ("GroupQueryAttention after RotaryEmbedding", {"rotary_in_attention": False}),
+             "standard": ("standard attention", {"fused_attention": False})}
 
 
 def measure_bandwidth(mib: int = 512, repeats: int = 5) -> float:
@@ -61,24 +73,31 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return total
 
 
-def torch_decode(model, prompt: torch.Tensor, tokens: int) -> float:
+def per_token(start: tuple[float, float], tokens: int) -> tuple[float, float]:
+    """(wall, CPU) seconds per token since ``start`` = (perf_counter, process_time). The process's CPU
+    time barely moves with other processes' load: at one thread it is the figure to compare on a
+    shared machine (at more it also counts the threads' spinning)."""
+    return (time.perf_counter() - start[0]) / tokens, (time.process_time() - start[1]) / tokens
+
+
+def torch_decode(model, prompt: torch.Tensor, tokens: int) -> tuple[float, float]:
     c = model.config
     cache = ContiguousKVCache(c.n_layers, 1, PROMPT_LEN + tokens + 1, c.n_kv_heads, c.head_dim)
     with torch.no_grad():
         logits = model(prompt, torch.arange(PROMPT_LEN)[None], cache)
-        start = time.perf_counter()
+        start = time.perf_counter(), time.process_time()
         for t in range(tokens):
             next_id = logits[:, -1].argmax(-1, keepdim=True)
             logits = model(next_id, torch.tensor([[PROMPT_LEN + t]]), cache)
-        return (time.perf_counter() - start) / tokens
+        return per_token(start, tokens)
 
 
-def onnx_decode(runner: OnnxRunner, prompt: np.ndarray, tokens: int) -> float:
+def onnx_decode(runner: OnnxRunner, prompt: np.ndarray, tokens: int) -> tuple[float, float]:
     logits = runner.prefill(prompt)
-    start = time.perf_counter()
+    start = time.perf_counter(), time.process_time()
     for _ in range(tokens):
         logits = runner.decode(logits[:, -1].argmax(-1)[:, None].astype(np.int64))
-    return (time.perf_counter() - start) / tokens
+    return per_token(start, tokens)
 
 
 def int4_copy(model):
@@ -96,39 +115,48 @@ def prefill_rel_error(runner: OnnxRunner, model, prompt: torch.Tensor) -> float:
     return float(np.abs(got - ref).max() / np.abs(ref).max()) if np.isfinite(got).all() else float("inf")
 
 
-def run(tokens: int, repeats: int, threads: int, accuracy_levels: list[int]) -> dict:
+def run(tokens: int, repeats: int, threads: int, accuracy_levels: list[int], attention: list[str],
+        max_len: int | None = None) -> dict:
     torch.set_num_threads(threads)
     loaded = load_checkpoint("smollm2")
     int4 = int4_copy(loaded.model)
+    max_len = max_len or PROMPT_LEN + tokens + 1
     torch_models = {"torch float32": loaded.model, "torch INT4 g64": int4}
-    onnx_models = {"ONNX float32": (loaded.model, 0)}
-    onnx_models.update({f"ONNX INT4 MatMulNBits g64 accuracy_level={level}": (int4, level) for level in accuracy_levels})
-    models = {**torch_models, **{label: model for label, (model, _) in onnx_models.items()}}
+    onnx_models = {}
+    for kind in attention:
+        suffix, options = ATTENTION[kind]
+        onnx_models[f"ONNX float32, {suffix}"] = (loaded.model, 0, options)
+        onnx_models.update({f"ONNX INT4 MatMulNBits g64 accuracy_level={level}, {suffix}": (int4, level, options)
+                            for level in accuracy_levels})
+    models = {**torch_models, **{label: model for label, (model, _, _) in onnx_models.items()}}
     prompt = torch.randint(0, loaded.model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     rel_errors = {}
     with tempfile.TemporaryDirectory() as tmp:
         runners = {}
-        for i, (label, (model, level)) in enumerate(onnx_models.items()):
+        for i, (label, (model, level, options)) in enumerate(onnx_models.items()):
             variant = copy.copy(loaded)
             variant.model = model
             out = Path(tmp) / str(i)
-            export_onnx(variant, out, OnnxExportOptions(max_len=PROMPT_LEN + tokens + 1, accuracy_level=level))
+            export_onnx(variant, out, OnnxExportOptions(max_len=max_len, accuracy_level=level, **options))
             runners[label] = OnnxRunner(out, threads=threads)
             rel_errors[label] = prefill_rel_error(runners[label], model, prompt)
         best = {label: float("inf") for label in models}
+        best_cpu = dict(best)
         for _ in range(repeats):  # interleaved, so load changes hit every runtime alike
-            for label, model in torch_models.items():
-                best[label] = min(best[label], torch_decode(model, prompt, tokens))
-            for label, runner in runners.items():
-                best[label] = min(best[label], onnx_decode(runner, prompt.numpy(), tokens))
+            for label in models:
+                wall, cpu = (torch_decode(models[label], prompt, tokens) if label in torch_models
+                             else onnx_decode(runners[label], prompt.numpy(), tokens))
+                best[label], best_cpu[label] = min(best[label], wall), min(best_cpu[label], cpu)
     bandwidth = measure_bandwidth()
     rows = []
     for label, seconds in best.items():
         floor = weight_bytes_per_token(models[label]) / bandwidth
-        rows.append({"runtime": label, "ms_per_token": 1e3 * seconds, "speedup_vs_torch": best["torch float32"] / seconds,
+        rows.append({"runtime": label, "ms_per_token": 1e3 * seconds, "cpu_ms_per_token": 1e3 * best_cpu[label],
+                     "speedup_vs_torch": best["torch float32"] / seconds,
                      "weight_mib_per_token": weight_bytes_per_token(models[label]) / 2**20,
                      "floor_ms": 1e3 * floor, "fraction_of_floor": floor / seconds, "rel_error": rel_errors.get(label)})
-    return {"tokens": tokens, "repeats": repeats, "threads": threads, "bandwidth_gb_s": bandwidth / 1e9, "rows": rows}
+    return {"tokens": tokens, "repeats": repeats, "threads": threads, "max_len": max_len,
+            "bandwidth_gb_s": bandwidth / 1e9, "rows": rows}
 
 
 def print_table(result: dict) -> None:
@@ -136,11 +164,14 @@ def print_table(result: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"SmolLM2-135M decode, batch 1, {result['threads']} threads, best of {result['repeats']} × "
-                        f"{result['tokens']} tokens; copy bandwidth {result['bandwidth_gb_s']:.1f} GB/s")
-    for col in ("runtime", "ms/token", "× torch", "weights MiB/token", "floor ms", "floor / measured", "rel. error"):
+                        f"{result['tokens']} tokens, ONNX cache length {result['max_len']}; "
+                        f"copy bandwidth {result['bandwidth_gb_s']:.1f} GB/s")
+    for col in ("runtime", "ms/token", "CPU ms/token", "× torch", "weights MiB/token", "floor ms", "floor / measured",
+                "rel. error"):
         table.add_column(col, justify="left" if col == "runtime" else "right")
     for r in result["rows"]:
-        table.add_row(r["runtime"], f"{r['ms_per_token']:.2f}", f"{r['speedup_vs_torch']:.2f}", f"{r['weight_mib_per_token']:.1f}",
+        table.add_row(r["runtime"], f"{r['ms_per_token']:.2f}", f"{r['cpu_ms_per_token']:.2f}", f"{r['speedup_vs_torch']:.2f}",
+                      f"{r['weight_mib_per_token']:.1f}",
                       f"{r['floor_ms']:.2f}", f"{100 * r['fraction_of_floor']:.0f}%",
                       "" if r["rel_error"] is None else f"{r['rel_error']:.1e}")
     Console().print(table)
@@ -152,9 +183,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--accuracy-levels", default="0,4", help="MatMulNBits accuracy_level of each INT4 bundle")
+    parser.add_argument("--attention", default="gqa", help=f"attention of each ONNX bundle, a comma list of {', '.join(ATTENTION)}")
+    parser.add_argument("--max-len", type=int, help="the ONNX bundles' cache length (default: prompt + tokens + 1)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = run(args.tokens, args.repeats, args.threads, [int(v) for v in args.accuracy_levels.split(",")])
+    attention = args.attention.split(",")
+    if unknown := set(attention) - set(ATTENTION):
+        parser.error(f"--attention {', '.join(sorted(unknown))}: not one of {', '.join(ATTENTION)}")
+    result = run(args.tokens, args.repeats, args.threads, [int(v) for v in args.accuracy_levels.split(",")], attention,
+                 args.max_len)
     print(json.dumps(result, indent=1)) if args.json else print_table(result)
 
 

@@ -66,3 +66,39 @@ def make_arch_artifact(tmp_path: Path, case: str, int4_group: int | None = None,
     kind = f"int4g{int4_group}" if int4_group else "fp8" if fp8 else "float"
     return save_artifact(tmp_path / f"artifact-{case}-{kind}", loaded.model, None,
                          SourceInfo(str(hf_dir), "hf", "0" * 64), {}, [])
+
+
+def ragged_rows_error(loaded, bundle: Path, lengths: list[int], steps: int, seed: int = 0) -> float:
+    """Worst relative error against the torch model of a bundle decoding rows of different lengths
+    together: each prompt prefilled into its own row of one cache (``OnnxRunner.prefill_row``), then
+    ``steps`` decode calls over every row at once (``decode_rows``), and half-way the first row
+    leaves and the last row's cache moves into its place (``KVCache.move_row``), as the serving
+    batcher does. The reference is each sequence run alone through the contiguous cache."""
+    from backends.onnx.runner import OnnxRunner
+    from compiler.model.kv_cache import ContiguousKVCache
+
+    c = loaded.model.config
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, c.vocab_size, (1, n + steps), generator=gen) for n in lengths]
+    runner = OnnxRunner(bundle, threads=1)
+    cache = runner.new_cache(len(lengths))
+    caches = [ContiguousKVCache(c.n_layers, 1, runner.info.max_len, c.n_kv_heads, c.head_dim,
+                                sliding_window=c.sliding_windows) for _ in seqs]
+    worst = 0.0
+    with torch.no_grad():
+        for row, (ids, n, ref_cache) in enumerate(zip(seqs, lengths, caches)):
+            got = runner.prefill_row(cache, row, ids[:, :n].numpy())
+            worst = max(worst, rel_error(got, loaded.model(ids[:, :n], torch.arange(n)[None], ref_cache).numpy()))
+        rows = list(range(len(seqs)))  # rows[r]: the sequence in cache row r
+        for t in range(steps):
+            if t == steps // 2 and len(rows) > 1:  # the first row leaves; the last one takes its place
+                cache.move_row(len(rows) - 1, 0, lengths[rows[-1]] + t)
+                rows = [rows[-1]] + rows[1:-1]
+            ids = np.array([[int(seqs[s][0, lengths[s] + t])] for s in rows], np.int64)
+            past = np.array([lengths[s] + t for s in rows], np.int64)
+            got = runner.decode_rows(cache, ids, past)
+            for r, s in enumerate(rows):
+                pos = lengths[s] + t
+                ref = loaded.model(seqs[s][:, pos:pos + 1], torch.tensor([[pos]]), caches[s]).numpy()
+                worst = max(worst, rel_error(got[r:r + 1], ref))
+    return worst

@@ -34,7 +34,7 @@ from backends.onnx.export import (
     lowered_entries,
     write_bundle_files,
 )
-from backends.onnx.graph import kv_cache_export
+from backends.onnx.kv_rounding import kv_cache_export
 from compiler.errors import ConfigError
 from compiler.formats.int4 import Int4Linear
 from compiler.formats.qlinear import quantized_modules

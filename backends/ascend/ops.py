@@ -44,6 +44,10 @@ WAYS_OUT = {
                    "weights and writes the INT4 weights in msModelSlim W4A16 layout for MindIE / vllm-ascend",
     "DequantizeLinear": "fold the QDQ pair into float weights before export (quantize for Ascend with AMCT or msModelSlim)",
     "QuantizeLinear": "fold the QDQ pair into float weights before export (quantize for Ascend with AMCT or msModelSlim)",
+    "GroupQueryAttention": "lower with --target ascend, whose graphs write attention in standard ops (or --target "
+                           "onnx with --no-fused-attention for another runtime)",
+    "RotaryEmbedding": "lower with --target ascend, whose graphs write the rotary embedding in standard ops (or "
+                       "--target onnx with --no-fused-rotary for another runtime)",
     "Loop": "unroll the loop into a static graph (fixed trip count) or run it on the host",
     "Scan": "unroll the scan into a static graph or run it on the host",
 }

@@ -25,8 +25,11 @@ class OnnxLowerOptions:
     # in the model's float type (matches torch's dequantize reference to float rounding).
     accuracy_level: int | None = option(None, "MatMulNBits accuracy_level: 0 the model's float type, 4 int8 compute "
                                               "(default 4).")
-    fused_rotary: bool = option(True, "Rotary embeddings as com.microsoft RotaryEmbedding (ONNX Runtime); "
-                                      "--no-fused-rotary: standard ONNX ops only.")
+    fused_rotary: bool = option(True, "Rotary embeddings as com.microsoft RotaryEmbedding or inside "
+                                      "GroupQueryAttention (ONNX Runtime); --no-fused-rotary: standard ONNX ops.")
+    fused_attention: bool = option(True, "Attention as com.microsoft GroupQueryAttention, a length per batch row, so "
+                                         "the ONNX Runtime adapter batches concurrent requests; --no-fused-attention: "
+                                         "standard ONNX ops, one length for the batch (requests served one at a time).")
 
     def __post_init__(self):
         from backends.onnx.graph import MATMULNBITS_ACCURACY_LEVELS
@@ -44,7 +47,7 @@ def _lower(artifact, out, opts: OnnxLowerOptions, force: bool):
     loaded, max_len = load_for_target(artifact, "onnx", opts.max_len)
     level = DEFAULT_ACCURACY_LEVEL if opts.accuracy_level is None else opts.accuracy_level
     export = OnnxExportOptions(max_len=max_len, dtype=default_dtype(loaded.model), accuracy_level=level,
-                               fused_rotary=opts.fused_rotary)
+                               fused_rotary=opts.fused_rotary, fused_attention=opts.fused_attention)
     export_onnx(loaded, out, export, force)
     return out
 

@@ -2,13 +2,15 @@
 
     DIR/
       bundle.json        this module's ``OnnxBundleInfo``
-      prefill.onnx       input_ids [B, T] -> logits, present_key.i / present_value.i
-      decode.onnx        input_ids [B, T], past_len [1], past_key.i / past_value.i -> the same
+      prefill.onnx       input_ids [B, T] (attention "gqa": and the cache buffers past_key.i / past_value.i)
+                         -> logits, present_key.i / present_value.i
+      decode.onnx        input_ids [B, T], past_len [1] ("gqa": past_lens [B], one per row),
+                         past_key.i / past_value.i -> the same
       weights.data       external data shared by both graphs
       tokenizer files    when the artifact has a tokenizer
 
-Lives in ``compiler/`` because both the writer (``backends/``) and the readers (``serving/``)
-need it, and neither may import the other.
+Lives beside the exporter that writes it; the readers (``backends/onnx/runner.py``, the serving
+adapters above) import it from here.
 """
 from __future__ import annotations
 
@@ -41,6 +43,9 @@ class OnnxBundleInfo:
     tokenizer: bool = False
     layers: dict[str, str] = field(default_factory=dict)  # module -> how it was exported
     extras: dict = field(default_factory=dict)  # target-specific (Ascend: buckets, soc, om files)
+    # "standard": one past_len for the batch (backends/onnx/attention.py); "gqa": GroupQueryAttention,
+    # a length per row, so rows of different lengths decode together. Older bundles are "standard".
+    attention: str = "standard"
     version: int = BUNDLE_VERSION
 
     def write(self, directory: Path) -> None:

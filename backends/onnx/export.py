@@ -18,8 +18,8 @@ import onnx
 import torch
 
 from backends.onnx.bundle import DECODE_FILE, PREFILL_FILE, WEIGHTS_FILE, OnnxBundleInfo
-from backends.onnx.graph import (DEFAULT_ACCURACY_LEVEL, MATMULNBITS_ACCURACY_LEVELS, GraphSpec, build_graph,
-                                 kv_cache_export)
+from backends.onnx.graph import DEFAULT_ACCURACY_LEVEL, MATMULNBITS_ACCURACY_LEVELS, GraphSpec, build_graph
+from backends.onnx.kv_rounding import kv_cache_export
 from compiler.errors import ConfigError
 from compiler.formats.int4 import Int4Linear
 from compiler.formats.qlinear import quantized_modules
@@ -43,15 +43,19 @@ LOWERED_ENTRIES = frozenset({"kv_cache", "serving"})
 @dataclass(frozen=True)
 class OnnxExportOptions:
     """``max_len``: cache length; ``dtype``: float32|float16; ``batch``: static batch or None;
-    ``accuracy_level``: MatMulNBits' (``backends/onnx/graph.py``); ``fused_rotary``: GraphSpec's."""
+    ``accuracy_level``: MatMulNBits' (``backends/onnx/graph.py``); ``fused_rotary``, ``fused_attention``,
+    ``rotary_in_attention``: GraphSpec's (the dequantized, ATC-ready graphs keep to standard ops)."""
 
     max_len: int = 1024
     dtype: str = "float32"
     batch: int | None = None
     dequantize: bool = False  # export quantized layers as float (dequantized) weights
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL
-    # com.microsoft RotaryEmbedding for ONNX Runtime; the dequantized (ATC-ready) graphs keep to standard ops
+    # com.microsoft RotaryEmbedding / GroupQueryAttention for ONNX Runtime; the dequantized (ATC-ready)
+    # graphs keep to standard ops
     fused_rotary: bool = True
+    fused_attention: bool = True
+    rotary_in_attention: bool = True
 
     def validate(self, model: Transformer) -> None:
         arch = model.config.architecture
@@ -108,7 +112,9 @@ def export_graphs(model: Transformer, opts: OnnxExportOptions) -> tuple[onnx.Mod
     """The prefill and decode ModelProtos (weights inline)."""
     opts.validate(model)
     common = dict(max_len=opts.max_len, dtype=opts.dtype, batch=opts.batch, dequantize=opts.dequantize,
-                  accuracy_level=opts.accuracy_level, fused_rotary=opts.fused_rotary and not opts.dequantize)
+                  accuracy_level=opts.accuracy_level, fused_rotary=opts.fused_rotary and not opts.dequantize,
+                  fused_attention=opts.fused_attention and not opts.dequantize,
+                  rotary_in_attention=opts.rotary_in_attention)
     prefill = build_graph(model, GraphSpec("prefill", **common))  # T dynamic (ATC: gears)
     decode = build_graph(model, GraphSpec("decode", seq=1 if opts.batch is not None else None, **common))
     return prefill, decode
@@ -138,7 +144,8 @@ def bundle_info(loaded: LoadedModel, opts: OnnxExportOptions, target: str, extra
     return OnnxBundleInfo(target=target, dtype=opts.dtype, max_len=opts.max_len, n_layers=c.n_layers,
                           n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, vocab_size=c.vocab_size, batch=opts.batch,
                           eos_token_ids=c.eos_token_ids, tokenizer=loaded.tokenizer is not None,
-                          layers=layer_exports(loaded.model, opts.dequantize, opts.accuracy_level), extras=extras or {})
+                          layers=layer_exports(loaded.model, opts.dequantize, opts.accuracy_level), extras=extras or {},
+                          attention="gqa" if opts.fused_attention and not opts.dequantize else "standard")
 
 
 def write_bundle_files(directory: Path, loaded: LoadedModel, graphs, info: OnnxBundleInfo) -> None:

@@ -79,6 +79,33 @@ def linear(b: GraphBuilder, x: str, module: nn.Module, name: str, dequantize: bo
     return y
 
 
+def packed_linear(b: GraphBuilder, x: str, modules: list[nn.Module], name: str, dequantize: bool) -> str | None:
+    """x [B, T, K] -> the outputs of ``modules`` side by side, [B, T, sum N], as one MatMulNBits (every
+    module INT4 with one group size) or one MatMul (none exported as INT4); None when they mix the
+    two. Each output column is computed as ``linear`` computes it alone (columns are independent),
+    so packing changes no value; it saves the kernel calls (q/k/v: three per layer become one)."""
+    int4 = [isinstance(m, Int4Linear) and not dequantize for m in modules]
+    if any(int4) and not (all(int4) and len({(m.group_size, m.in_features) for m in modules}) == 1):
+        return None
+    if all(int4):
+        first = modules[0]
+        inputs = [x, b.weight(f"{name}.qweight", torch.cat([m.qweight for m in modules]), np.uint8),
+                  b.fweight(f"{name}.scales", torch.cat([m.scales for m in modules]).reshape(-1)),
+                  b.weight(f"{name}.qzeros", torch.cat([m.qzeros for m in modules]).reshape(-1), np.uint8)]
+        y = b.op("MatMulNBits", inputs, name, domain=MS_DOMAIN, K=first.in_features,
+                 N=sum(m.out_features for m in modules), bits=4, block_size=first.group_size,
+                 accuracy_level=b.accuracy_level)
+    else:
+        weights = [m.dequantized_weight() if isinstance(m, QuantizedLinear) else m.weight for m in modules]
+        y = b.op("MatMul", [x, b.fweight(f"{name}.weight_t", torch.cat(weights).t())], name)
+    biases = [m.dequantized_bias() if isinstance(m, QuantizedLinear) else m.bias for m in modules]
+    if any(bias is not None for bias in biases):  # a missing bias adds zeros
+        biases = [torch.zeros(m.out_features) if bias is None else bias.detach().float()
+                  for m, bias in zip(modules, biases)]
+        y = b.op("Add", [y, b.fweight(f"{name}.bias", torch.cat(biases))], name)
+    return y
+
+
 def rms_norm(b: GraphBuilder, x: str, module: nn.Module, name: str) -> str:
     """RMSNorm over the last axis of x, as ``compiler.model.layers.RMSNorm`` computes it: normalised in
     float32, then cast back and times the weight; a norm with a ``weight_offset`` (Gemma's

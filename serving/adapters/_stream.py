@@ -1,7 +1,9 @@
 """The token loop shared by the runtime adapters: sample, detokenize, stop, stream.
 
 An adapter wraps its runtime as a ``TokenModel`` (prefill a prompt, then decode one token at a
-time against its own KV cache) and gets ``ServingAdapter.generate`` semantics from here.
+time against its own KV cache) and gets ``ServingAdapter.generate`` semantics from ``stream_tokens``.
+Each request's sampling, detokenizing and stopping is a ``TokenStream``, so an adapter that decodes
+many requests in one batch (``onnx_batch.py``) gives each the same semantics.
 """
 from __future__ import annotations
 
@@ -54,34 +56,61 @@ def encode(prompt: str | list[int], tokenizer) -> list[int]:
     return list(prompt)
 
 
-async def stream_tokens(model: TokenModel, prompt_ids: list[int], params: SamplingParams, tokenizer,
-                        eos_token_ids: list[int]) -> AsyncIterator[StreamEvent]:
-    """Generate from ``prompt_ids``; one event per token, the last with its finish reason."""
-    room = model.max_len - len(prompt_ids)
-    if not prompt_ids or room < 1:
-        raise ConfigError(f"prompt of {len(prompt_ids)} tokens does not fit the cache (max_len={model.max_len}) "
-                          "with room to generate; shorten it or lower the model with a larger --max-len")
-    budget = min(params.max_tokens, room)
-    rng = np.random.default_rng(params.seed)
-    logits = await asyncio.to_thread(model.prefill, prompt_ids)
-    generated: list[int] = []
-    text = ""
-    for i in range(budget):
-        token = sample(logits, params, rng)
-        if token in eos_token_ids and not params.ignore_eos:
-            yield StreamEvent(finish_reason="stop")
-            return
-        generated.append(token)
-        new_text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
+class TokenStream:
+    """One request's side of generation, fed one logits vector at a time: sample the next token,
+    detokenize it, and decide whether the request is done (EOS, a stop string, its token budget).
+    ``stream_tokens`` drives one with a ``TokenModel``; the ONNX Runtime batcher drives many at once."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer, eos_token_ids: list[int], max_len: int):
+        room = max_len - len(prompt_ids)
+        if not prompt_ids or room < 1:
+            raise ConfigError(f"prompt of {len(prompt_ids)} tokens does not fit the cache (max_len={max_len}) "
+                              "with room to generate; shorten it or lower the model with a larger --max-len")
+        self.prompt_ids, self.params, self.tokenizer, self.eos_token_ids = prompt_ids, params, tokenizer, eos_token_ids
+        self.budget = min(params.max_tokens, room)
+        self.rng = np.random.default_rng(params.seed)
+        self.generated: list[int] = []
+        self.text = ""
+        self.finished = False
+
+    @property
+    def token(self) -> int:
+        """The last token sampled: what the next decode step feeds."""
+        return self.generated[-1]
+
+    def next(self, logits: np.ndarray) -> StreamEvent:
+        """The event for the token sampled from ``logits`` [V]; the last event carries a finish reason."""
+        params = self.params
+        token = sample(logits, params, self.rng)
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return self._finish(StreamEvent(finish_reason="stop"))
+        self.generated.append(token)
+        text = self.text
+        new_text = self.tokenizer.decode(self.generated, skip_special_tokens=True) if self.tokenizer is not None else ""
         hits = [new_text.find(s, max(0, len(text) - len(s))) for s in params.stop]
         hits = [h for h in hits if h >= 0]
         if hits:
-            yield StreamEvent([token], new_text[len(text):min(hits)], "stop")
-            return
-        last = i == budget - 1
+            return self._finish(StreamEvent([token], new_text[len(text):min(hits)], "stop"))
+        last = len(self.generated) == self.budget
         # Hold back a trailing U+FFFD: a multi-byte character split across tokens completes later.
         stable = new_text if last else new_text.rstrip("\ufffd")
-        yield StreamEvent([token], stable[len(text):], "length" if last else None)
-        text = stable if len(stable) >= len(text) else text
-        if not last:
-            logits = await asyncio.to_thread(model.decode, token)
+        self.text = stable if len(stable) >= len(text) else text
+        event = StreamEvent([token], stable[len(text):], "length" if last else None)
+        return self._finish(event) if last else event
+
+    def _finish(self, event: StreamEvent) -> StreamEvent:
+        self.finished = True
+        return event
+
+
+async def stream_tokens(model: TokenModel, prompt_ids: list[int], params: SamplingParams, tokenizer,
+                        eos_token_ids: list[int]) -> AsyncIterator[StreamEvent]:
+    """Generate from ``prompt_ids``; one event per token, the last with its finish reason."""
+    stream = TokenStream(prompt_ids, params, tokenizer, eos_token_ids, model.max_len)
+    logits = await asyncio.to_thread(model.prefill, prompt_ids)
+    while True:
+        event = stream.next(logits)
+        yield event
+        if stream.finished:
+            return
+        logits = await asyncio.to_thread(model.decode, stream.token)

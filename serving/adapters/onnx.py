@@ -1,7 +1,10 @@
 """``ServingAdapter`` over ONNX Runtime: the bundle from ``qcompile lower --target onnx``.
 
-One KV cache per adapter, so requests are served one at a time (a lock queues the rest); the
-throughput path with many concurrent requests is the in-process engine.
+A bundle whose attention is GroupQueryAttention (the default lowering) serves concurrent requests
+in one batch: continuous batching, each request prefilled on its own and then decoded with the
+others in one graph call per step (``onnx_batch.py``). A bundle lowered with
+``--no-fused-attention`` (or before GroupQueryAttention) has one length for the whole batch, so
+its requests are served one at a time (a lock queues the rest).
 """
 from __future__ import annotations
 
@@ -14,7 +17,12 @@ import numpy as np
 from backends.onnx.runner import OnnxRunner
 from compiler.io.types import load_tokenizer
 from serving.adapters._stream import encode, stream_tokens
+from serving.adapters.onnx_batch import ContinuousBatcher
 from serving.types import SamplingParams, StreamEvent
+
+# Requests decoded together; more wait for a free row. The cache holds this many rows of max_len
+# positions, but only the pages of positions written are ever touched (backends/onnx/runner.py).
+DEFAULT_MAX_BATCH = 16
 
 
 class _RunnerModel:
@@ -35,9 +43,10 @@ class OnnxRuntimeAdapter:
 
     name = "onnxruntime"
 
-    def __init__(self, bundle_dir: str | Path, threads: int | None = None):
+    def __init__(self, bundle_dir: str | Path, threads: int | None = None, max_batch: int = DEFAULT_MAX_BATCH):
         self.runner = OnnxRunner(bundle_dir, threads)
         self.tokenizer = load_tokenizer(Path(bundle_dir)) if self.runner.info.tokenizer else None
+        self.batcher = ContinuousBatcher(self.runner, max_batch) if self.runner.per_row else None
         self._lock = asyncio.Lock()
 
     @classmethod
@@ -47,10 +56,16 @@ class OnnxRuntimeAdapter:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[StreamEvent]:
         ids = encode(prompt, self.tokenizer)
+        eos = self.runner.info.eos_token_ids
+        if self.batcher is not None:
+            async for event in self.batcher.generate(ids, params, self.tokenizer, eos):
+                yield event
+            return
         async with self._lock:
-            async for event in stream_tokens(_RunnerModel(self.runner), ids, params, self.tokenizer,
-                                             self.runner.info.eos_token_ids):
+            async for event in stream_tokens(_RunnerModel(self.runner), ids, params, self.tokenizer, eos):
                 yield event
 
     async def close(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.close()
         self.runner = None

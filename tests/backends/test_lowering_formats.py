@@ -16,7 +16,8 @@ import backends  # noqa: F401  (registers the targets and their lowerings)
 import passes  # noqa: F401  (registers the fp8 and paged_kv passes)
 from backends.onnx.bundle import OnnxBundleInfo
 from backends.onnx.export import OnnxExportOptions, export_onnx
-from backends.onnx.graph import OPSET, GraphBuilder, fp8_round_trip
+from backends.onnx.graph import OPSET, GraphBuilder
+from backends.onnx.kv_rounding import fp8_round_trip
 from backends.onnx.runner import OnnxRunner
 from backends.triton.lower import lower_triton
 from compiler.deploy.lowering import lower

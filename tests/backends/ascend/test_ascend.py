@@ -83,9 +83,11 @@ def test_exported_fp16_graphs_pass_op_check(int4_artifact):
     loaded = load_artifact(int4_artifact)
     for graph in export_graphs(loaded.model, OnnxExportOptions(max_len=128, dtype="float16", batch=1, dequantize=True)):
         assert check_ops(graph) == []
-    # while the ONNX Runtime export of the same INT4 model is caught (its contrib ops)
+    # while the ONNX Runtime export of the same INT4 model is caught (its contrib ops), with either attention
     nbits = export_graphs(loaded.model, OnnxExportOptions(max_len=128))[0]
-    assert {o.op_type for o in check_ops(nbits)} == {"MatMulNBits", "RotaryEmbedding"}
+    assert {o.op_type for o in check_ops(nbits)} == {"MatMulNBits", "GroupQueryAttention"}
+    standard = export_graphs(loaded.model, OnnxExportOptions(max_len=128, fused_attention=False))[0]
+    assert {o.op_type for o in check_ops(standard)} == {"MatMulNBits", "RotaryEmbedding"}
 
 
 # -- the atc invocation ---------------------------------------------------------------------

@@ -6,13 +6,14 @@ MoE feed-forwards of Qwen3-MoE and Mixtral (router softmax, top-k, renormalisati
 Each tiny random model (``arch_helpers.ARCH_CASES``) is lowered float and INT4 (MatMulNBits at
 accuracy_level 0, against ``Int4Linear``'s dequantize reference) and compared with our torch
 model on fresh random ids: prefill, decode steps through the KV cache past the sliding window,
-and 32 greedy tokens. DeepSeek-V3 is refused (tests/compiler/model/test_architecture_support.py)."""
+32 greedy tokens, and rows of different lengths decoding together (GroupQueryAttention's per-row
+lengths, each row against the model run on its sequence alone). DeepSeek-V3 is refused (tests/compiler/model/test_architecture_support.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from onnx_helpers import make_arch_artifact, rel_error
+from onnx_helpers import make_arch_artifact, ragged_rows_error, rel_error
 
 from backends.onnx.export import OnnxExportOptions, export_onnx
 from backends.onnx.runner import OnnxRunner
@@ -80,6 +81,15 @@ def test_greedy_generation_identical(lowered):
     np.testing.assert_array_equal(OnnxRunner(out, threads=1).generate(ids.numpy(), 32), expected)
 
 
+def test_rows_of_different_lengths_decode_together(lowered):
+    """Prompts of 4, 13 and 7 tokens in rows of one cache, decoded together past the window of 8
+    (Gemma 3's sliding layers, mixtral-sliding), a row leaving half-way: each row as the torch model."""
+    loaded, out = lowered
+    worst = ragged_rows_error(loaded, out, [4, 13, 7], steps=8, seed=5)
+    print(f"{loaded.model.config.architecture} ragged rows: worst relative error {worst:.1e}")
+    assert worst < TOLERANCE
+
+
 @pytest.mark.parametrize("case", ["gemma3-scalar-linear-rope-softcap", "qwen3-moe", "mixtral"])
 def test_fp8_weights_export_dequantized(case, tmp_path):
     """FP8 weight-only experts and projections lower as MatMuls of their dequantized weights (as for the
@@ -97,7 +107,8 @@ def test_fp8_weights_export_dequantized(case, tmp_path):
 
 
 def test_int4_experts_and_projections_are_matmulnbits(lowered):
-    """Every INT4 module, each expert's included, is one MatMulNBits node; the routers are float MatMuls."""
+    """Every INT4 module, each expert's included, is in one MatMulNBits node (a layer's q, k and v in one,
+    packed, where no q/k norm comes between them and the attention); the routers are float MatMuls."""
     import onnx
 
     from backends.onnx.bundle import PREFILL_FILE
@@ -106,8 +117,11 @@ def test_int4_experts_and_projections_are_matmulnbits(lowered):
     loaded, out = lowered
     graph = onnx.load(str(out / PREFILL_FILE), load_external_data=False).graph
     nbits = {n.input[1].removesuffix(".qweight") for n in graph.node if n.op_type == "MatMulNBits"}
+    # q, k and v packed as one (nothing between them and GroupQueryAttention: no q/k norm)
+    packed = {name.replace("qkv_proj", proj) for name in nbits if name.endswith(".qkv_proj") for proj in ("q_proj", "k_proj", "v_proj")}
     quantized = {name for name, m in loaded.model.named_modules() if hasattr(m, "qweight")}
-    assert nbits == quantized
+    assert {name for name in nbits if not name.endswith(".qkv_proj")} | packed == quantized
+    assert not packed or not loaded.model.config.spec.qk_norm
     matmuls = {n.input[1].removesuffix(".weight_t") for n in graph.node if n.op_type == "MatMul"}
     assert set(router_names(loaded.model.config)) <= matmuls
 

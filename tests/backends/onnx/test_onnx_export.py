@@ -11,7 +11,7 @@ import onnx
 import pytest
 import torch
 from onnx import numpy_helper
-from onnx_helpers import make_artifact, rel_error
+from onnx_helpers import make_artifact, ragged_rows_error, rel_error
 
 from backends.onnx.bundle import DECODE_FILE, PREFILL_FILE, WEIGHTS_FILE, OnnxBundleInfo
 from backends.onnx.export import EXTERNAL_THRESHOLD, OnnxExportOptions, export_onnx
@@ -60,41 +60,79 @@ def test_checker_opset_and_external_data(lowered):
     assert (out / WEIGHTS_FILE).stat().st_size > 0.5 * weights
 
 
-def test_onnx_runtime_fuses_the_norms_and_the_cache_is_written_once(lowered, tmp_path):
-    """What keeps the decode step fast in ONNX Runtime: every RMSNorm fuses into one
-    SimplifiedLayerNormalization, and each present cache comes straight from the op that writes it
-    (ScatterElements at decode, Pad at prefill), not through a copying Identity or Slice + Concat."""
+def optimized_ops(path, tmp_path) -> tuple[list[str], dict[str, str], list[str]]:
+    """The graph ONNX Runtime runs after its optimizer: op types, producer of each value, output names."""
     import onnxruntime as ort
 
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / f"optimized-{path.name}")
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    graph = onnx.load(options.optimized_model_filepath, load_external_data=False).graph
+    return ([n.op_type for n in graph.node], {o: n.op_type for n in graph.node for o in n.output},
+            [o.name for o in graph.output])
+
+
+def test_onnx_runtime_fuses_the_norms_and_attention_writes_the_cache(lowered, tmp_path):
+    """What keeps the decode step fast in ONNX Runtime: every RMSNorm fuses into one
+    SimplifiedLayerNormalization, each layer's attention is one GroupQueryAttention with the rotary
+    embedding inside it, and each present cache is that op's own output (bound to the past buffer,
+    written in place), at prefill and at decode."""
     loaded, out = lowered
+    n_norms, n_layers = 2 * loaded.model.config.n_layers + 1, loaded.model.config.n_layers
+    for name in (PREFILL_FILE, DECODE_FILE):
+        ops, producers, outputs = optimized_ops(out / name, tmp_path)
+        assert ops.count("SimplifiedLayerNormalization") == n_norms and "ReduceMean" not in ops
+        assert ops.count("GroupQueryAttention") == n_layers and "RotaryEmbedding" not in ops and "Softmax" not in ops
+        assert {producers[o] for o in outputs if o.startswith("present_")} == {"GroupQueryAttention"}
+    graph = onnx.load(str(out / DECODE_FILE), load_external_data=False).graph
+    assert {i.name for i in graph.input} >= {"input_ids", "past_lens"} and OnnxBundleInfo.read(out).attention == "gqa"
+
+
+def test_standard_attention_graphs_write_the_cache_once(lowered, tmp_path):
+    """--no-fused-attention (standard-op attention over every cache slot, one past_len for the batch):
+    the norms fuse, RotaryEmbedding on q and k, and each present cache comes straight from the op that
+    writes it (ScatterElements at decode, Pad at prefill), not through a copying Identity or Slice + Concat."""
+    loaded, _ = lowered
+    out = tmp_path / "standard"
+    export_onnx(loaded, out, OnnxExportOptions(max_len=MAX_LEN, accuracy_level=0, fused_attention=False))
     n_norms = 2 * loaded.model.config.n_layers + 1
     for name, writer in ((PREFILL_FILE, "Pad"), (DECODE_FILE, "ScatterElements")):
-        options = ort.SessionOptions()
-        options.optimized_model_filepath = str(tmp_path / f"optimized-{name}")
-        ort.InferenceSession(str(out / name), options, providers=["CPUExecutionProvider"])
-        graph = onnx.load(options.optimized_model_filepath, load_external_data=False).graph
-        ops = [n.op_type for n in graph.node]
+        ops, producers, outputs = optimized_ops(out / name, tmp_path)
         assert ops.count("SimplifiedLayerNormalization") == n_norms and "ReduceMean" not in ops
-        assert ops.count("RotaryEmbedding") == 2 * loaded.model.config.n_layers  # q and k of every layer
-        producers = {o: n.op_type for n in graph.node for o in n.output}
-        assert {producers[o.name] for o in graph.output if o.name.startswith("present_")} == {writer}
+        assert ops.count("RotaryEmbedding") == 2 * loaded.model.config.n_layers and "GroupQueryAttention" not in ops
+        assert {producers[o] for o in outputs if o.startswith("present_")} == {writer}
+    assert OnnxBundleInfo.read(out).attention == "standard"
+
+
+def node_modules(node, quantized: dict) -> list:
+    """The INT4 modules a MatMulNBits node computes: one, or a layer's q, k and v packed side by side."""
+    name = node.input[1].removesuffix(".qweight")
+    if name.endswith(".qkv_proj"):
+        return [quantized[name.replace("qkv_proj", proj)] for proj in ("q_proj", "k_proj", "v_proj")]
+    return [quantized[name]]
 
 
 def test_int4_layers_are_matmulnbits_from_packed_buffers(lowered):
+    """Each INT4 layer's buffers are MatMulNBits' own, unchanged; with GroupQueryAttention a layer's q, k
+    and v are one MatMulNBits over their buffers stacked (the op reads them side by side)."""
     loaded, out = lowered
     model = onnx.load(str(out / PREFILL_FILE))
     inits = {t.name: t for t in model.graph.initializer}
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     quantized = {name: m for name, m in loaded.model.named_modules() if hasattr(m, "qweight")}
-    assert len(nbits) == len(quantized)
-    for node in nbits:
+    covered = [node_modules(node, quantized) for node in nbits]
+    assert sorted(id(m) for ms in covered for m in ms) == sorted(id(m) for m in quantized.values())
+    assert sum(len(ms) == 3 for ms in covered) == (loaded.model.config.n_layers if quantized else 0)
+    for node, modules in zip(nbits, covered):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        module = quantized[node.input[1].removesuffix(".qweight")]
+        first = modules[0]
         assert node.domain == "com.microsoft"
-        assert attrs == {"K": module.in_features, "N": module.out_features, "bits": 4, "block_size": module.group_size,
-                         "accuracy_level": 0}
-        np.testing.assert_array_equal(numpy_helper.to_array(inits[node.input[1]]), module.qweight.numpy())
-        np.testing.assert_array_equal(numpy_helper.to_array(inits[node.input[3]]), module.qzeros.numpy().reshape(-1))
+        assert attrs == {"K": first.in_features, "N": sum(m.out_features for m in modules), "bits": 4,
+                         "block_size": first.group_size, "accuracy_level": 0}
+        np.testing.assert_array_equal(numpy_helper.to_array(inits[node.input[1]]),
+                                      np.concatenate([m.qweight.numpy() for m in modules]))
+        np.testing.assert_array_equal(numpy_helper.to_array(inits[node.input[3]]),
+                                      np.concatenate([m.qzeros.numpy().reshape(-1) for m in modules]))
     info = OnnxBundleInfo.read(out)
     assert set(info.layers) == set(quantized)
 
@@ -125,18 +163,81 @@ def test_decode_steps_match_torch_cache(lowered):
             assert rel_error(runner.decode(ids[:, t:t + 1].numpy()), ref.numpy()) < 1e-4
 
 
-def test_standard_ops_rotary_is_the_same_model(lowered, tmp_path):
-    """--no-fused-rotary (the rotary embedding in standard ops, as the ATC-ready graph has it)
-    decodes the same logits as the default RotaryEmbedding graph."""
+# export options -> the contrib ops the decode graph then holds
+VARIANTS = {"standard attention (--no-fused-attention)": (dict(fused_attention=False), {"RotaryEmbedding"}),
+            "standard attention and rotary (the ATC graph's ops)": (dict(fused_attention=False, fused_rotary=False), set()),
+            "GroupQueryAttention after RotaryEmbedding": (dict(rotary_in_attention=False),
+                                                          {"GroupQueryAttention", "RotaryEmbedding"}),
+            "GroupQueryAttention, rotary in standard ops (--no-fused-rotary)": (dict(fused_rotary=False),
+                                                                                {"GroupQueryAttention"})}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_attention_and_rotary_variants_are_the_same_model(lowered, tmp_path, variant):
+    """Every way the attention and the rotary embedding can be written decodes the same logits as
+    the default graph (GroupQueryAttention applying the rotary embedding itself)."""
     loaded, fused = lowered
-    standard = tmp_path / "standard"
-    export_onnx(loaded, standard, OnnxExportOptions(max_len=MAX_LEN, accuracy_level=0, fused_rotary=False))
-    assert not any(n.op_type == "RotaryEmbedding" for n in onnx.load(str(standard / DECODE_FILE)).graph.node)
+    other = tmp_path / "variant"
+    options, contrib = VARIANTS[variant]
+    export_onnx(loaded, other, OnnxExportOptions(max_len=MAX_LEN, accuracy_level=0, **options))
+    ops = {n.op_type for n in onnx.load(str(other / DECODE_FILE), load_external_data=False).graph.node}
+    assert ops & {"GroupQueryAttention", "RotaryEmbedding"} == contrib
     ids = torch.randint(0, loaded.model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(3)).numpy()
-    runners = OnnxRunner(fused, threads=1), OnnxRunner(standard, threads=1)
+    runners = OnnxRunner(fused, threads=1), OnnxRunner(other, threads=1)
     outs = [[r.prefill(ids[:, :6])] + [r.decode(ids[:, t:t + 1]) for t in range(6, 10)] for r in runners]
     for a, b in zip(*outs):
         assert rel_error(a, b) < 1e-5
+
+
+def test_rows_of_different_lengths_decode_together(lowered):
+    """Per-row lengths: prompts of 3, 11 and 6 tokens prefilled into rows of one cache, then decoded
+    together one token per call (past the sliding window of 8), a row leaving half-way; every row's
+    logits match the torch model run on that sequence alone."""
+    loaded, out = lowered
+    worst = ragged_rows_error(loaded, out, [3, 11, 6], steps=8)
+    print(f"{loaded.model.config.architecture} ragged rows: worst relative error {worst:.1e}")
+    assert worst < 1e-4
+
+
+def test_batch_decodes_several_tokens_per_call(lowered):
+    """Two rows decoding 3, 1 and 10 tokens per call (GroupQueryAttention takes several tokens per row
+    on a batch with a past only given query_seqlens), past the sliding window: as the torch model."""
+    loaded, out = lowered
+    c = loaded.model.config
+    ids = torch.randint(0, c.vocab_size, (2, 20), generator=torch.Generator().manual_seed(4))
+    cache = ContiguousKVCache(c.n_layers, 2, MAX_LEN, c.n_kv_heads, c.head_dim, sliding_window=c.sliding_window)
+    runner = OnnxRunner(out, threads=1)
+    with torch.no_grad():
+        ref = loaded.model(ids[:, :6], torch.arange(6)[None].expand(2, -1), cache)
+        errors = [rel_error(runner.prefill(ids[:, :6].numpy()), ref.numpy())]
+        for start, stop in ((6, 9), (9, 10), (10, 20)):
+            ref = loaded.model(ids[:, start:stop], torch.arange(start, stop)[None].expand(2, -1), cache)
+            errors.append(rel_error(runner.decode(ids[:, start:stop].numpy()), ref.numpy()))
+    assert max(errors) < 1e-4
+
+
+def test_standard_attention_bundle_refuses_rows_of_different_lengths(tmp_path):
+    loaded = load_artifact(make_artifact(tmp_path, "llama"))
+    export_onnx(loaded, tmp_path / "onnx", OnnxExportOptions(max_len=MAX_LEN, fused_attention=False))
+    runner = OnnxRunner(tmp_path / "onnx", threads=1)
+    cache = runner.new_cache(2)
+    for row in (0, 1):
+        runner.prefill_row(cache, row, np.ones((1, 3 + row), np.int64))
+    with pytest.raises(ConfigError, match="one length for the whole batch.*without --no-fused-attention"):
+        runner.decode_rows(cache, np.ones((2, 1), np.int64), np.array([3, 4]))
+    runner.decode_rows(cache, np.ones((2, 1), np.int64), np.array([4, 4]))  # equal lengths: the one past_len
+
+
+def test_bundle_without_attention_field_reads_as_standard(tmp_path):
+    """Bundles written before GroupQueryAttention have no "attention" in bundle.json: their graphs are standard."""
+    import json
+
+    info = OnnxBundleInfo(target="onnx", dtype="float32", max_len=8, n_layers=1, n_kv_heads=1, head_dim=4, vocab_size=8)
+    info.write(tmp_path)
+    data = json.loads((tmp_path / "bundle.json").read_text())
+    del data["attention"]
+    (tmp_path / "bundle.json").write_text(json.dumps(data))
+    assert OnnxBundleInfo.read(tmp_path).attention == "standard"
 
 
 def test_int4_head_tied_or_not_is_matmulnbits_and_matches_torch(tmp_path):

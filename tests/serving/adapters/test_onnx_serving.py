@@ -15,6 +15,7 @@ from onnx_helpers import make_artifact
 from backends.ascend.atc import AtcOptions
 from backends.ascend.lower import lower_ascend
 from backends.onnx.export import OnnxExportOptions, export_onnx
+from compiler.errors import ConfigError
 from compiler.io.artifact import load_artifact
 from compiler.kernels.int4_cpu import reference_only
 from serving.adapters._stream import sample
@@ -74,6 +75,110 @@ def test_onnx_adapter_stop_string_and_seeded_sampling(onnx_bundle):
     a = [t for e in collect(adapter, "import os", params) for t in e.token_ids]
     b = [t for e in collect(adapter, "import os", params) for t in e.token_ids]
     assert a == b and len(a) == 10
+
+
+# Requests of different prompt lengths and budgets: some finish early, so rows leave while others run
+# and waiting requests join between steps (max_batch 4); one samples with a seed (a test adds one that
+# stops on a string).
+REQUESTS = [([5, 17, 99, 3], SamplingParams(max_tokens=14, ignore_eos=True)),
+            ("def fibonacci(n):", SamplingParams(max_tokens=20, ignore_eos=True)),
+            (list(range(40, 71)), SamplingParams(max_tokens=3, ignore_eos=True)),
+            ("import os", SamplingParams(max_tokens=9, temperature=0.8, top_k=20, seed=3, ignore_eos=True)),
+            ([7] * 12, SamplingParams(max_tokens=17, ignore_eos=True)),
+            ("class A:", SamplingParams(max_tokens=11, ignore_eos=True))]
+
+
+def serve_concurrently(adapter, requests):
+    async def run():
+        return await asyncio.gather(*(collect_async(adapter, prompt, params) for prompt, params in requests))
+
+    return asyncio.run(run())
+
+
+async def collect_async(adapter, prompt, params):
+    return [e async for e in adapter.generate(prompt, params)]
+
+
+def test_onnx_adapter_batches_concurrent_requests_as_one_at_a_time(onnx_bundle):
+    """Six requests at once through continuous batching (at most 4 rows decoding together) stream the
+    same tokens, text and finish reasons as each served alone."""
+    alone = OnnxRuntimeAdapter(onnx_bundle, threads=1)
+    text = "".join(e.text for e in collect(alone, *REQUESTS[5]))
+    requests = REQUESTS + [(REQUESTS[5][0], SamplingParams(max_tokens=11, ignore_eos=True, stop=(text[4:6],)))]
+    expected = [collect(alone, prompt, params) for prompt, params in requests]
+    batched = OnnxRuntimeAdapter(onnx_bundle, threads=1, max_batch=4)
+    got = serve_concurrently(batched, requests)
+    assert got == expected
+    assert batched.batcher.largest_batch == 4 and alone.batcher.largest_batch == 1
+    assert not batched.batcher.running and not batched.batcher.waiting
+    assert [len(events) for events in got[:6]] == [14, 20, 3, 9, 17, 11]
+    assert got[6][-1].finish_reason == "stop" and len(got[6]) < 11
+
+
+def test_onnx_adapter_frees_the_row_of_a_request_left_early(onnx_bundle):
+    """A consumer that stops reading after two tokens gives its row back (it is decoded no further);
+    the others are unchanged."""
+    adapter = OnnxRuntimeAdapter(onnx_bundle, threads=1, max_batch=2)
+    expected = [collect(adapter, prompt, params) for prompt, params in REQUESTS[:3]]
+    decoded_rows = []
+    decode_rows = adapter.runner.decode_rows
+    adapter.runner.decode_rows = lambda cache, ids, past: decoded_rows.append(len(ids)) or decode_rows(cache, ids, past)
+
+    async def leave_early():
+        stream = adapter.generate(*REQUESTS[4])
+        events = [await stream.__anext__(), await stream.__anext__()]
+        await stream.aclose()
+        return events
+
+    async def run():
+        return await asyncio.gather(leave_early(), *(collect_async(adapter, p, q) for p, q in REQUESTS[:3]))
+
+    early, *got = asyncio.run(run())
+    assert got == expected and len(early) == 2
+    assert not adapter.batcher.running and not adapter.batcher.waiting
+    # every other request decodes (tokens - 1) rows; the one that left, at most its 2 tokens and one step in flight
+    assert sum(decoded_rows) <= sum(len(e) - 1 for e in expected) + 2
+
+
+def test_onnx_adapter_delivers_a_runtime_failure_to_every_request(onnx_bundle, monkeypatch):
+    adapter = OnnxRuntimeAdapter(onnx_bundle, threads=1)
+
+    def broken(*args):
+        raise RuntimeError("decode failed")
+
+    monkeypatch.setattr(adapter.runner, "decode_rows", broken)
+
+    async def run():
+        results = asyncio.gather(*(collect_async(adapter, p, q) for p, q in REQUESTS[:3]), return_exceptions=True)
+        return await asyncio.wait_for(results, timeout=60)
+
+    assert [str(r) for r in asyncio.run(run())] == ["decode failed"] * 3
+
+
+def test_onnx_adapter_refuses_a_prompt_that_does_not_fit_and_aborts_on_close(onnx_bundle):
+    adapter = OnnxRuntimeAdapter(onnx_bundle, threads=1)
+    with pytest.raises(ConfigError, match="does not fit the cache"):
+        collect(adapter, [3] * 128, SamplingParams(max_tokens=4))
+
+    async def close_midway():
+        stream = adapter.generate(*REQUESTS[1])
+        first = await stream.__anext__()
+        await adapter.close()
+        return [first] + [e async for e in stream]
+
+    events = asyncio.run(asyncio.wait_for(close_midway(), timeout=30))  # without the abort it would wait forever
+    assert events[-1].finish_reason == "abort" and len(events) < 20
+
+
+def test_onnx_adapter_standard_attention_bundle_serves_one_at_a_time(artifact_with_tokenizer, onnx_bundle, tmp_path):
+    """A --no-fused-attention bundle (one length per batch) has no batcher: concurrent requests queue,
+    and stream what the batched adapter streams."""
+    export_onnx(load_artifact(artifact_with_tokenizer), tmp_path / "standard",
+                OnnxExportOptions(max_len=128, accuracy_level=0, fused_attention=False))
+    standard = OnnxRuntimeAdapter(tmp_path / "standard", threads=1)
+    assert standard.batcher is None
+    assert serve_concurrently(standard, REQUESTS[:4]) == serve_concurrently(OnnxRuntimeAdapter(onnx_bundle, threads=1),
+                                                                             REQUESTS[:4])
 
 
 def test_sampling_filters():
