@@ -45,7 +45,7 @@ import torch.nn as nn
 from compiler.errors import ArtifactError
 from compiler.formats.qlinear import QuantizedLinear, register_format
 from compiler.kernels.cpu_ext import cpu_kernels
-from compiler.kernels.dense_cpu import DerivedTensor, onednn_available, pack_weight
+from compiler.kernels.dense_cpu import PACKED_FROM_ROWS, DerivedTensor, onednn_available, pack_weight
 from compiler.kernels.fp8_gemm import (
     dequantize_activations,
     dequantize_weight,
@@ -352,7 +352,20 @@ class Fp8Linear(QuantizedLinear):
     def _packed(self) -> torch.Tensor:
         return self._packed_weight.get((self.weight, self.weight_scale), lambda: pack_weight(self.float_weight()))
 
+    def _one_cpu_call(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` is the C++ ``fp8_linear``: a float32 model on the CPU with the float
+        copy, per-token or static activation scales, no outlier channels, and a batch the packed
+        copy (if any) would not take."""
+        fmt = self.format
+        return (x.is_cpu and x.dtype == torch.float32 and fmt.quantizes_activations and not fmt.activation_group_size
+                and self.outlier_index is None and (self.bias is None or self.bias.dtype == torch.float32)
+                and (self._packed_weight is None or x.numel() < PACKED_FROM_ROWS * self.in_features)
+                and float_weight_enabled() and cpu_kernels() is not None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._one_cpu_call(x):  # at a few tokens the Python path below costs more than its arithmetic
+            return cpu_kernels().fp8_linear(x, self.input_shift, self.input_scale, self.format.activation_torch_dtype,
+                                            self.float_weight(), self.bias)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         w = self.float_weight() if x.is_cpu and float_weight_enabled() else None

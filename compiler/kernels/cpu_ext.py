@@ -8,7 +8,9 @@
   float16 or FP8 E4M3 with its scales); ``serving/paged_attention.py``'s reference gathers every
   sequence's blocks into a buffer first. Same contract, checked against it in tests.
 - ``fp8_fake_quant_rows(x, shift, static_scale, dtype)``: ``Fp8Linear``'s activation
-  quantization in one op instead of about ten, bit for bit the torch ops of ``compiler/quant/fp8.py``.
+  quantization in one op instead of about ten, bit for bit the torch ops of ``compiler/quant/fp8.py``;
+  ``fp8_linear(x, shift, static_scale, dtype, weight, bias)``: that, times the dequantized float32
+  weight, plus the bias, in one call (a float32 model's forward at a few tokens).
 
 torch builds the library with its C++ toolchain (``torch.utils.cpp_extension``: a C++ compiler and
 ``ninja``) into its extensions cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
@@ -89,7 +91,7 @@ def build() -> int:
 
 
 def _op_names() -> list[str]:
-    return [name for name in ("paged_decode", "fp8_fake_quant_rows") if hasattr(torch.ops.qcompile_cpu, name)]
+    return [name for name in ("paged_decode", "fp8_fake_quant_rows", "fp8_linear") if hasattr(torch.ops.qcompile_cpu, name)]
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 //   the torch ops it replaces (compiler/quant/fp8.py): x - shift, a per-row scale from the row's
 //   absolute maximum (or a static one), the saturating cast to FP8, and back to float32 times the
 //   scale — the activations that float_weight_gemm multiplies by the dequantized weight.
+// fp8_linear: those activations times the dequantized weight, plus the bias, in one call.
 //
 // Built with -fopenmp-simd so that the `omp simd reduction` loops vectorise without -ffast-math
 // (which would change the FP8 rounding and NaN handling this file must keep exact).
@@ -323,6 +324,14 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+// An FP8 format's rounding: mantissa bits, smallest normal exponent, largest finite value.
+struct Fp8Spec {
+  int mantissa_bits;
+  int min_normal_exp;
+  float max;
+};
+constexpr Fp8Spec kE4m3Spec{3, -6, 448.f}, kE5m2Spec{2, -14, 57344.f};
+
 // Saturating cast to FP8 and back: what quantize()'s clamp_ and .to(dtype), then .float(), do.
 template <typename F8>
 inline float round_trip(float v, float fp8_max) {
@@ -330,14 +339,63 @@ inline float round_trip(float v, float fp8_max) {
   return static_cast<float>(F8(v));
 }
 
+#if defined(__AVX512F__)
+// round_trip for 16 values, exactly (tests compare it with torch's cast on every rounding
+// boundary): |v| clamped to the largest finite value, then rounded to nearest even at the
+// format's precision — for a normal result by rounding the float32 bits to `mantissa_bits`, for a
+// subnormal one by adding and subtracting 1.5 * 2^(23 + min_normal_exp - mantissa_bits), which makes
+// the float32 addition round to the subnormal quantum; the sign put back, NaN kept.
+inline __m512 round_trip16(__m512 v, const Fp8Spec& f) {
+  const __m512i sign_bit = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  const __m512 a = _mm512_min_ps(_mm512_castsi512_ps(_mm512_andnot_si512(sign_bit, _mm512_castps_si512(v))),
+                                 _mm512_set1_ps(f.max));
+  const int drop = 23 - f.mantissa_bits;
+  const __m512i bits = _mm512_castps_si512(a);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, drop), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32((1 << (drop - 1)) - 1), odd));
+  rounded = _mm512_and_si512(rounded, _mm512_set1_epi32(~((1 << drop) - 1)));
+  const __m512 magic = _mm512_set1_ps(std::ldexp(1.5f, 23 + f.min_normal_exp - f.mantissa_bits));
+  const __m512 sub = _mm512_sub_ps(_mm512_add_ps(a, magic), magic);
+  const __mmask16 is_sub = _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::ldexp(1.f, f.min_normal_exp)), _CMP_LT_OQ);
+  __m512 r = _mm512_mask_mov_ps(_mm512_castsi512_ps(rounded), is_sub, sub);
+  r = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(_mm512_castps_si512(v), sign_bit)));
+  return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);  // NaN in, NaN out
+}
+#endif
+
+// |x| of a row's largest value, or NaN when the row holds one (torch's amax propagates NaN).
+inline float row_amax(const float* x, int64_t n) {
+  float amax = 0.f;
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  __mmask16 nans = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    acc = _mm512_max_ps(acc, _mm512_abs_ps(v));
+  }
+  amax = _mm512_reduce_max_ps(acc);
+  nan = nans != 0;
+#endif
+  for (; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    nan |= std::isnan(a);
+    amax = a > amax ? a : amax;
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : amax;
+}
+
 template <typename F8>
-void fake_quant_rows(const float* x, const float* shift, const float* static_scale, float fp8_max, int64_t M,
+void fake_quant_rows(const float* x, const float* shift, const float* static_scale, const Fp8Spec& spec, int64_t M,
                      int64_t K, float* out, float* scales) {
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> centred(shift ? K : 0);
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = x + r * K;
       if (shift) {  // x.float() - input_shift, kept so that amax and the quotient read the same values
+#pragma omp simd
         for (int64_t i = 0; i < K; ++i) centred[i] = xr[i] - shift[i];
         xr = centred.data();
       }
@@ -345,19 +403,18 @@ void fake_quant_rows(const float* x, const float* shift, const float* static_sca
       if (static_scale) {
         s = *static_scale;
       } else {  // scale_from_amax: (amax / max).clamp(min=MIN_SCALE); a NaN amax gives a NaN scale
-        float amax = 0.f;
-        bool nan = false;
-        for (int64_t i = 0; i < K; ++i) {
-          const float a = std::fabs(xr[i]);
-          nan |= std::isnan(a);
-          amax = a > amax ? a : amax;
-        }
-        s = nan ? std::numeric_limits<float>::quiet_NaN() : amax / fp8_max;
+        s = row_amax(xr, K) / spec.max;
         s = s < 1e-12f ? 1e-12f : s;
       }
       scales[r] = s;
       float* o = out + r * K;
-      for (int64_t i = 0; i < K; ++i) o[i] = round_trip<F8>(xr[i] / s, fp8_max) * s;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 sv = _mm512_set1_ps(s);
+      for (; i + 16 <= K; i += 16)
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(round_trip16(_mm512_div_ps(_mm512_loadu_ps(xr + i), sv), spec), sv));
+#endif
+      for (; i < K; ++i) o[i] = round_trip<F8>(xr[i] / s, spec.max) * s;
     }
   });
 }
@@ -376,12 +433,28 @@ std::tuple<at::Tensor, at::Tensor> fp8_fake_quant_rows(const at::Tensor& x, cons
   const float* sp = shift ? shift->data_ptr<float>() : nullptr;
   const float* ssp = static_scale ? static_scale->data_ptr<float>() : nullptr;
   if (dtype == at::kFloat8_e4m3fn) {
-    fake_quant_rows<c10::Float8_e4m3fn>(x.data_ptr<float>(), sp, ssp, 448.f, M, K, out.data_ptr<float>(), scale_out);
+    fake_quant_rows<c10::Float8_e4m3fn>(x.data_ptr<float>(), sp, ssp, kE4m3Spec, M, K, out.data_ptr<float>(), scale_out);
   } else {
     TORCH_CHECK(dtype == at::kFloat8_e5m2, "dtype must be float8_e4m3fn or float8_e5m2");
-    fake_quant_rows<c10::Float8_e5m2>(x.data_ptr<float>(), sp, ssp, 57344.f, M, K, out.data_ptr<float>(), scale_out);
+    fake_quant_rows<c10::Float8_e5m2>(x.data_ptr<float>(), sp, ssp, kE5m2Spec, M, K, out.data_ptr<float>(), scale_out);
   }
   return {out, scales};
+}
+
+// Fp8Linear's CPU forward for a float32 model in one call: the FP8-rounded activations times the
+// dequantized float32 weight [N, K], plus the bias — the same addmm / mm as the Python path (so
+// the same bits), without its per-call Python work, which at one token costs more than the op.
+at::Tensor fp8_linear(const at::Tensor& x, const c10::optional<at::Tensor>& shift,
+                      const c10::optional<at::Tensor>& static_scale, at::ScalarType dtype, const at::Tensor& weight,
+                      const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.size(1) == x.size(-1),
+              "weight must be float32 [N, K] with K = x's last size");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == weight.size(0)), "bias must be float32 [N]");
+  const at::Tensor a = std::get<0>(fp8_fake_quant_rows(x.reshape({-1, x.size(-1)}).contiguous(), shift, static_scale, dtype));
+  at::Tensor y = bias ? at::addmm(*bias, a, weight.t()) : at::mm(a, weight.t());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = weight.size(0);
+  return y.view(shape);
 }
 
 }  // namespace
@@ -390,9 +463,11 @@ TORCH_LIBRARY(qcompile_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor k_scale, Tensor v_scale, int window, float sm_scale) -> Tensor");
   m.def("fp8_fake_quant_rows(Tensor x, Tensor? shift, Tensor? static_scale, ScalarType dtype) -> (Tensor, Tensor)");
+  m.def("fp8_linear(Tensor x, Tensor? shift, Tensor? static_scale, ScalarType dtype, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qcompile_cpu, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("fp8_fake_quant_rows", &fp8_fake_quant_rows);
+  m.impl("fp8_linear", &fp8_linear);
 }

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_hf_model
+from gguf_helpers import write_gguf
 
 from compiler.errors import CheckpointError
-from compiler.io.gguf import _LAYER_TENSORS
 from compiler.io.load import load_checkpoint
 
 
@@ -82,51 +82,9 @@ def test_missing_path_and_unknown_file(tmp_path):
         load_checkpoint(tmp_path / "weights.npz")
 
 
-def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf q/k permutation (the inverse of what our loader undoes)."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_tiny_gguf(path, hf):
-    """Write ``hf`` as a llama GGUF the way llama.cpp's converter does (F32 tensors)."""
-    import gguf
-
-    c = hf.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    to_gguf = {v: k for k, v in _LAYER_TENSORS.items()}
-    for name, t in hf.state_dict().items():
-        a = t.numpy().astype(np.float32)
-        name = name.removeprefix("model.")
-        if name.startswith("layers."):
-            _, i, *rest = name.split(".")
-            module, kind = ".".join(rest[:-1]), rest[-1]
-            if module == "self_attn.q_proj":
-                a = _permute(a, c.num_attention_heads)
-            elif module == "self_attn.k_proj":
-                a = _permute(a, c.num_key_value_heads)
-            gname = f"blk.{i}.{to_gguf[module]}.{kind}"
-        else:
-            gname = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
-        w.add_tensor(gname, np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def test_gguf_matches_hf(tmp_path):
     hf = make_hf_model("llama")
-    write_tiny_gguf(tmp_path / "tiny.gguf", hf)
+    write_gguf(tmp_path / "tiny.gguf", hf)
     ours = load_checkpoint(tmp_path / "tiny.gguf", with_tokenizer=False).model
     x = torch.arange(20)[None]
     with torch.no_grad():
@@ -136,7 +94,7 @@ def test_gguf_matches_hf(tmp_path):
 
 def test_truncated_gguf(tmp_path):
     hf = make_hf_model("llama")
-    write_tiny_gguf(tmp_path / "tiny.gguf", hf)
+    write_gguf(tmp_path / "tiny.gguf", hf)
     data = (tmp_path / "tiny.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="cut.gguf"):

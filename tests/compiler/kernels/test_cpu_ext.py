@@ -53,3 +53,38 @@ def test_fake_quant_rows_refuses_what_it_cannot_take(cpu_ops):
         cpu_ops.fp8_fake_quant_rows(torch.randn(4, 8), torch.randn(7), None, torch.float8_e4m3fn)
     with pytest.raises(RuntimeError, match="float8_e4m3fn or float8_e5m2"):
         cpu_ops.fp8_fake_quant_rows(torch.randn(4, 8), None, None, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_fake_quant_rows_rounds_every_boundary_as_torchs_cast(cpu_ops, dtype):
+    """With a scale of 1 the op is the cast itself: every finite code, every midpoint between two
+    neighbours (a tie, rounded to even) and the floats either side of it, both signs, beyond the
+    largest value (saturated), NaN, in rows of 16 (the vectorised loop) and a tail (the scalar one)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    values = codes[torch.isfinite(codes) & (codes >= 0)].unique().sort().values.double()
+    mids = ((values[1:] + values[:-1]) / 2).float()
+    x = torch.cat([values.float(), mids, torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(1e9)),
+                   torch.tensor([values[-1].item() * 1.01, 1e30, float("inf"), 2 ** -30])])
+    x = torch.cat([x, -x, torch.tensor([float("nan")])])
+    x = torch.cat([x, torch.zeros(-len(x) % 16 + 16 + 5)])  # whole vectors and a 5-element tail
+    rows = x.reshape(1, -1)
+    one = torch.tensor([1.0])
+    got, _ = cpu_ops.fp8_fake_quant_rows(rows, None, one, dtype)
+    want = reference(rows, None, one, dtype)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(got.signbit(), want.signbit())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_fp8_linear_is_the_python_paths_addmm_bit_for_bit(cpu_ops, bias, rows):
+    """``fp8_linear`` = the rounded activations times the float32 weight plus the bias, as
+    ``float_gemm`` computes them (``F.linear``: the same addmm, the same bits), in [B, T, K] shape."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(rows + 2 * bias)
+    x, shift = torch.randn(1, rows, 576, generator=g) * 3, torch.randn(576, generator=g)
+    w, b = torch.randn(192, 576, generator=g), torch.randn(192, generator=g) if bias else None
+    got = cpu_ops.fp8_linear(x, shift, None, torch.float8_e4m3fn, w, b)
+    a, _ = cpu_ops.fp8_fake_quant_rows(x.reshape(rows, 576), shift, None, torch.float8_e4m3fn)
+    assert got.shape == (1, rows, 192) and torch.equal(got, F.linear(a, w, b).reshape(1, rows, 192))
