@@ -5,7 +5,7 @@
 The layers are SmolLM2's decoder projections as the engine runs them (q/k/v fused 576 -> 960,
 o 576 -> 576, gate/up fused 576 -> 3072, down 1536 -> 576), ``--layers`` copies of each, so that the
 weights (SmolLM2's 425 MB at 30 layers) are cold in cache as in a decode step. Prints ms for one
-pass over all of them per way; ``compiler/kernels/dense_cpu.py`` picks ``PACKED_FROM_ROWS`` from it.
+pass over all of them per way; ``compiler/kernels/dense_cpu.py`` picks ``PACKED_FROM_ROWS`` from it (per CPU vendor).
 """
 from __future__ import annotations
 

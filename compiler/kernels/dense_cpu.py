@@ -1,28 +1,48 @@
 """Float linear layers on the CPU through oneDNN with a pre-packed weight, for batches of rows.
 
-torch's ``F.linear`` on the CPU calls MKL's sgemm on the ``[out, in]`` weight as stored. From a few
-rows on, oneDNN on a weight reordered once into its blocked layout (``mkldnn._reorder_linear_weight``,
-then ``mkldnn._linear_pointwise``, as vLLM's CPU backend and inductor's freezing do) is faster;
-at one or two rows MKL's gemv is. Measured on this 2-core AVX-512 machine (``python
-benchmarks/dense_cpu.py``), SmolLM2's 30 decoder layers of float32 projections (fused q/k/v and
-gate/up), weights cold in cache, ms for all of them:
+torch's ``F.linear`` on the CPU calls MKL's sgemm on the ``[out, in]`` weight as stored; oneDNN
+on a weight reordered once into its blocked layout (``mkldnn._reorder_linear_weight``, then
+``mkldnn._linear_pointwise``, as vLLM's CPU backend and inductor's freezing do) is the other way.
+Which is faster depends on the CPU: MKL's fast paths are Intel's. SmolLM2's 30 decoder layers of
+float32 projections (fused q/k/v and gate/up), weights cold in cache, 2 threads, ms for all of
+them (``python benchmarks/dense_cpu.py``):
 
-    rows               1     2     4     16    64
-    F.linear (MKL)   17.1  20.0  29.2  42.1  74.1
-    oneDNN packed    20.2  24.6  21.4  32.2  71.1
+    rows                               1     2     3     4     16    64
+    Xeon (AVX-512, AMX):  MKL        17.1  20.0         29.2  42.1  74.1
+                          oneDNN     20.2  24.6         21.4  32.2  71.1
+    AMD EPYC (AVX-512):   MKL        34.8  61.3  72.1  47.1  56.9
+                          oneDNN     21.6  22.4  17.6  18.0  29.5
 
 so ``PackedLinear`` keeps both: the weight as it is (``F.linear`` below ``PACKED_FROM_ROWS`` rows,
 and every other user of the module's ``weight``: tied embeddings, state dicts) and the packed
-copy (4 bytes a weight more, never saved). Both are float32 arithmetic; they differ only in the
-order of the sums (~1e-7 relative). Only the engine packs (``ServingPlan.pack_cpu_weights``).
+copy (4 bytes a weight more, never saved), and the crossover is 4 rows on an Intel CPU, 1 (oneDNN
+always) on any other. Both are float32 arithmetic; they differ only in the order of the sums (~1e-7
+relative). Only the engine packs (``ServingPlan.pack_cpu_weights``).
 """
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-PACKED_FROM_ROWS = 4  # the crossover above: at 3 rows the two are level
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``, ...), "" where /proc/cpuinfo does not say."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+# the crossovers above: on the Xeon MKL's gemv wins below 4 rows (at 3 the two are level); elsewhere oneDNN wins at every size
+PACKED_FROM_ROWS = 4 if cpu_vendor() == "GenuineIntel" else 1
 
 
 def onednn_available() -> bool:
