@@ -338,9 +338,10 @@ class Fp8Linear(QuantizedLinear):
         self._float_weight.drop()
 
     def pack_cpu_weight(self) -> bool:
-        """Keep ``float_weight()`` in oneDNN's layout too, for batches of 4+ rows (the serving
-        engine's ``pack_linears``; 4 bytes per weight more). False where the CPU forward would not
-        use it: weight-only layers, the float copy turned off, no oneDNN, not on the CPU."""
+        """Keep ``float_weight()`` in oneDNN's layout too, for batches of ``PACKED_FROM_ROWS`` rows
+        or more (the serving engine's ``pack_linears``; 4 bytes per weight more). False where the
+        CPU forward would not use it: weight-only layers, the float copy turned off, no oneDNN, not
+        on the CPU."""
         if not (self.format.quantizes_activations and float_weight_enabled() and onednn_available()
                 and self.weight.is_cpu):
             return False

@@ -36,6 +36,7 @@ from compiler.formats.qlinear import linear_modules
 from compiler.io.artifact import load_artifact
 from compiler.kernels.int4_cpu import reference_only
 from compiler.io.load import load_checkpoint
+from compiler.kernels.dense_cpu import pack_linears
 from compiler.model.kv_cache import ContiguousKVCache
 from compiler.model.moe import router_names
 from compiler.pipeline import PipelineConfig
@@ -236,14 +237,16 @@ def cached_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 
 
 def serve(path, prompts: list[list[int]], params: SamplingParams):
-    """On the artifact at ``path``, freshly loaded: each prompt's greedy tokens from the model's own
+    """On the artifact at ``path``, loaded twice: each prompt's greedy tokens from the model's own
     generation and the logits its contiguous cache chose them from, then (the engine fuses and packs
-    the model in place) the engine's tokens and logits."""
-    reloaded = load_artifact(path)
-    model = reloaded.model
+    its copy in place) the engine's tokens and logits. The reference's weights are packed for oneDNN
+    as the engine's are: where oneDNN takes a single row (``PACKED_FROM_ROWS``), MKL's GEMM would
+    round differently in the last bit and flip an FP8 activation code now and then."""
+    model = load_artifact(path).model
+    pack_linears(model)
     want = [model.generate(torch.tensor([p]), params.max_tokens)[0, len(p):].tolist() for p in prompts]
     want_logits = [cached_logits(model, p, tokens) for p, tokens in zip(prompts, want)]
-    engine = Engine.from_loaded(reloaded, "cpu", block_size=4, num_blocks=48, max_num_batched_tokens=16)
+    engine = Engine.from_loaded(load_artifact(path), "cpu", block_size=4, num_blocks=48, max_num_batched_tokens=16)
     return want, want_logits, *engine_run(engine, prompts, params)
 
 

@@ -5,7 +5,9 @@ vLLM-friendly heads of 32) are compiled in float and, where vLLM's CPU build run
 architecture, as INT4 and FP8; lowered with ``--target vllm`` and served by vLLM one at a time.
 Its greedy tokens are compared with qcompile's engine and its prompt log-probabilities with the
 artifact's own math (``vllm_helpers.compare_with_engine``). What vLLM's CPU build does not run
-is refused by the export, tested in test_vllm_export.py. Not skipped without vLLM.
+is refused by the export, tested in test_vllm_export.py; its INT4 MoE kernel needs AMX, and on a
+CPU without it the INT4 MoE checkpoints are checked to reach that kernel choice and fail there
+only. Not skipped without vLLM.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from arch_helpers import make_arch_model
 from conftest import make_byte_tokenizer
 from vllm_helpers import FP8, INT4, VLLM_PYTHON, compare_with_engine, compile_for, start_server
 
+from backends.vllm.runtime import VllmServerError
 from compiler.deploy.lowering import lower
 
 pytestmark = pytest.mark.integration
@@ -31,6 +34,10 @@ FLOAT = {"passes": []}  # float32
 # layer's MLP stays float (vLLM 0.32 fails to load it quantized; the export refuses it).
 INT4_MOE = {"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 64, "zero_point": False}]}
 INT4_MOE_DENSE_LAYER_1 = {**INT4_MOE, "passes": [{**INT4_MOE["passes"][0], "modules_to_not_convert": ["lm_head", "layers.1.mlp"]}]}
+# vLLM's CPU INT4 MoE kernel (CPUExpertsInt4) runs on AMX tiles only; elsewhere vLLM reads the
+# checkpoint's MoE scheme and then finds no backend for it.
+HAS_AMX = "amx_tile" in Path("/proc/cpuinfo").read_text()
+NO_MOE_BACKEND = "No WNA16 MoE backend supports the deployment configuration"
 # name -> (case, pipeline, the vLLM kernel its log must name or None). Gemma 3 INT4 is not here: vLLM
 # refuses Gemma 3 in float16, and its bfloat16 INT4 kernel dies of SIGILL on this machine (docs/DEPLOY.md).
 MODELS = {
@@ -69,6 +76,9 @@ def test_vllm_runs_the_architecture_as_the_engine_does(checkpoints, name, tmp_pa
     case, pipeline, kernel = MODELS[name]
     artifact = compile_for(checkpoints[case], pipeline, tmp_path / "artifact")
     checkpoint = lower(artifact, "vllm", tmp_path / "vllm")
+    if kernel == "CPUExpertsInt4" and not HAS_AMX:
+        assert_refused_without_amx(checkpoint, tmp_path / "vllm.log")
+        return
     server = start_server(checkpoint, tmp_path / "vllm.log")
     try:
         result = compare_with_engine(artifact, server.url, server.model)
@@ -77,3 +87,13 @@ def test_vllm_runs_the_architecture_as_the_engine_does(checkpoints, name, tmp_pa
         print(name, result)
     finally:
         assert server.stop() == 0
+
+
+def assert_refused_without_amx(checkpoint: Path, log: Path) -> None:
+    """On a CPU without AMX, vLLM gets as far as the checkpoint's INT4 MoE scheme and refuses it for
+    want of a kernel, not for anything in the export."""
+    with pytest.raises(VllmServerError):
+        start_server(checkpoint, log).stop()
+    text = log.read_text(errors="replace")
+    assert "Using CompressedTensorsWNA16MoEMethod" in text, "vLLM did not read the experts as W4A16"
+    assert NO_MOE_BACKEND in text, f"vLLM failed for another reason than the missing AMX kernel; see {log}"
