@@ -355,18 +355,18 @@ class Fp8Linear(QuantizedLinear):
 
     def _one_cpu_call(self, x: torch.Tensor) -> bool:
         """Whether ``forward`` is the C++ ``fp8_linear``: a float32 model on the CPU with the float
-        copy, per-token or static activation scales, no outlier channels, and a batch the packed
-        copy (if any) would not take."""
+        copy, per-token or static activation scales, no outlier channels, outside autograd (the op
+        has no backward)."""
         fmt = self.format
         return (x.is_cpu and x.dtype == torch.float32 and fmt.quantizes_activations and not fmt.activation_group_size
                 and self.outlier_index is None and (self.bias is None or self.bias.dtype == torch.float32)
-                and (self._packed_weight is None or x.numel() < PACKED_FROM_ROWS * self.in_features)
-                and float_weight_enabled() and cpu_kernels() is not None)
+                and not torch.is_grad_enabled() and float_weight_enabled() and cpu_kernels() is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._one_cpu_call(x):  # at a few tokens the Python path below costs more than its arithmetic
+            takes_packed = self._packed_weight is not None and x.numel() >= PACKED_FROM_ROWS * self.in_features
             return cpu_kernels().fp8_linear(x, self.input_shift, self.input_scale, self.format.activation_torch_dtype,
-                                            self.float_weight(), self.bias)
+                                            self.float_weight(), self.bias, self._packed() if takes_packed else None)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         w = self.float_weight() if x.is_cpu and float_weight_enabled() else None

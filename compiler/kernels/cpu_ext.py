@@ -9,8 +9,9 @@
   sequence's blocks into a buffer first. Same contract, checked against it in tests.
 - ``fp8_fake_quant_rows(x, shift, static_scale, dtype)``: ``Fp8Linear``'s activation
   quantization in one op instead of about ten, bit for bit the torch ops of ``compiler/quant/fp8.py``;
-  ``fp8_linear(x, shift, static_scale, dtype, weight, bias)``: that, times the dequantized float32
-  weight, plus the bias, in one call (a float32 model's forward at a few tokens).
+  ``fp8_linear(x, shift, static_scale, dtype, weight, bias, packed)``: that, times the dequantized
+  float32 weight (or ``packed``, that weight in oneDNN's layout), plus the bias, in one call (a
+  float32 model's forward, whose Python path costs more than the rounding at a few tokens).
 
 torch builds the library with its C++ toolchain (``torch.utils.cpp_extension``: a C++ compiler and
 ``ninja``) into its extensions cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),

@@ -60,12 +60,20 @@ class DerivedTensor:
 
     def get(self, sources: tuple, build) -> torch.Tensor:
         """The kept tensor, or ``build()``'s when any of ``sources`` (tensors or None) changed."""
-        versions = tuple(None if t is None or t.is_inference() else t._version for t in sources)
-        kept = self._sources
-        if kept is None or kept[1] != versions or any(a is not b for a, b in zip(kept[0], sources)):
+        if not self._current(sources):
             self.value = build()
-            self._sources = (sources, versions)
+            self._sources = (sources, [None if t is None or t.is_inference() else t._version for t in sources])
         return self.value
+
+    def _current(self, sources: tuple) -> bool:
+        # a plain loop: this runs on every forward of a kept copy, where a generator's cost shows
+        kept = self._sources
+        if kept is None:
+            return False
+        for t, was, version in zip(sources, *kept):
+            if t is not was or (version is not None and t._version != version):
+                return False
+        return True
 
     def drop(self) -> None:
         self.value = self._sources = None

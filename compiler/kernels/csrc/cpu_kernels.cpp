@@ -9,13 +9,16 @@
 //   the torch ops it replaces (compiler/quant/fp8.py): x - shift, a per-row scale from the row's
 //   absolute maximum (or a static one), the saturating cast to FP8, and back to float32 times the
 //   scale — the activations that float_weight_gemm multiplies by the dequantized weight.
-// fp8_linear: those activations times the dequantized weight, plus the bias, in one call.
+// fp8_linear: those activations times the dequantized weight, plus the bias, in one call; given
+//   the weight packed for oneDNN, through oneDNN's linear (what dense_cpu.dense calls) instead.
 //
 // Built with -fopenmp-simd so that the `omp simd reduction` loops vectorise without -ffast-math
 // (which would change the FP8 rounding and NaN handling this file must keep exact).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
@@ -441,17 +444,34 @@ std::tuple<at::Tensor, at::Tensor> fp8_fake_quant_rows(const at::Tensor& x, cons
   return {out, scales};
 }
 
+// torch.ops.mkldnn._linear_pointwise(a, packed, bias, "none", [], None): a times a weight in
+// oneDNN's layout (mkldnn._reorder_linear_weight), called through the dispatcher as Python would.
+at::Tensor onednn_linear(const at::Tensor& a, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(a);
+  stack.emplace_back(packed);
+  stack.emplace_back(bias);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
+  stack.emplace_back(c10::IValue());  // algorithm: None
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // Fp8Linear's CPU forward for a float32 model in one call: the FP8-rounded activations times the
-// dequantized float32 weight [N, K], plus the bias — the same addmm / mm as the Python path (so
-// the same bits), without its per-call Python work, which at one token costs more than the op.
+// dequantized float32 weight [N, K], plus the bias — the same addmm / mm as the Python path, or
+// with `packed` (that weight in oneDNN's layout) the same oneDNN linear (so the same bits), without
+// its per-call Python work, which at one token costs more than the rounding.
 at::Tensor fp8_linear(const at::Tensor& x, const c10::optional<at::Tensor>& shift,
                       const c10::optional<at::Tensor>& static_scale, at::ScalarType dtype, const at::Tensor& weight,
-                      const c10::optional<at::Tensor>& bias) {
+                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& packed) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.size(1) == x.size(-1),
               "weight must be float32 [N, K] with K = x's last size");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == weight.size(0)), "bias must be float32 [N]");
   const at::Tensor a = std::get<0>(fp8_fake_quant_rows(x.reshape({-1, x.size(-1)}).contiguous(), shift, static_scale, dtype));
-  at::Tensor y = bias ? at::addmm(*bias, a, weight.t()) : at::mm(a, weight.t());
+  at::Tensor y = packed ? onednn_linear(a, *packed, bias) : bias ? at::addmm(*bias, a, weight.t()) : at::mm(a, weight.t());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = weight.size(0);
   return y.view(shape);
@@ -463,11 +483,17 @@ TORCH_LIBRARY(qcompile_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor k_scale, Tensor v_scale, int window, float sm_scale) -> Tensor");
   m.def("fp8_fake_quant_rows(Tensor x, Tensor? shift, Tensor? static_scale, ScalarType dtype) -> (Tensor, Tensor)");
-  m.def("fp8_linear(Tensor x, Tensor? shift, Tensor? static_scale, ScalarType dtype, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("fp8_linear(Tensor x, Tensor? shift, Tensor? static_scale, ScalarType dtype, Tensor weight, Tensor? bias, "
+        "Tensor? packed) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qcompile_cpu, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("fp8_fake_quant_rows", &fp8_fake_quant_rows);
+  m.impl("fp8_linear", &fp8_linear);
+}
+
+// A oneDNN-packed weight is an MkldnnCPU tensor, which makes that the dispatch key of the call.
+TORCH_LIBRARY_IMPL(qcompile_cpu, MkldnnCPU, m) {
   m.impl("fp8_linear", &fp8_linear);
 }

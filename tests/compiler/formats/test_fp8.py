@@ -293,8 +293,9 @@ def test_cpu_float_copy_gives_the_reference_output_bit_for_bit(case, dtype, monk
 @pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
 @pytest.mark.parametrize("rows", sorted({1, max(PACKED_FROM_ROWS - 1, 1), PACKED_FROM_ROWS, 37}))
 def test_packed_float_copy_matches_the_reference_and_follows_the_buffers(rows):
-    """The engine's packed copy (``pack_cpu_weight``) serves batches of 4+ rows: float32 sums in
-    another order, within 1e-6 of the reference; below that the unpacked copy, bit for bit."""
+    """The engine's packed copy (``pack_cpu_weight``) serves batches of ``PACKED_FROM_ROWS`` rows or
+    more (in ``fp8_linear``'s one call): float32 sums in another order, within 1e-6 of the
+    reference; below that the unpacked copy, bit for bit."""
     torch.manual_seed(rows)
     lin = nn.Linear(576, 192)
     x = torch.randn(rows, 576) * 2
