@@ -32,9 +32,11 @@ import torch
 
 SWITCH = "QCOMPILE_CPU_KERNELS"
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-# -O3 -march=native: built on the machine that runs it; -fopenmp-simd vectorises the marked loops
-# without -ffast-math, which would change the FP8 rounding and NaN handling the kernels keep exact.
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+# -O3 -march=native: built on the machine that runs it. -fopenmp: at::parallel_for is inline
+# OpenMP in ATen's headers, so without it the kernels run on one thread; its `omp simd` loops
+# vectorise without -ffast-math, which would change the FP8 rounding and NaN handling kept exact.
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 @functools.cache
@@ -44,7 +46,7 @@ def _load() -> tuple[object | None, str]:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name="qcompile_cpu", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        cpp_extension.load(name="qcompile_cpu", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                            is_python_module=False, verbose=False)
     except Exception as e:  # no compiler or ninja, a failed build: the callers fall back and report it
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -85,8 +87,8 @@ def build() -> int:
         return 0
     from torch.utils import cpp_extension
 
-    cpp_extension.load(name="qcompile_cpu", sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False,
-                       verbose=True)
+    cpp_extension.load(name="qcompile_cpu", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                       is_python_module=False, verbose=True)
     print(f"qcompile CPU kernels: built, torch.ops.qcompile_cpu has {', '.join(_op_names())}")
     return 0
 

@@ -12,8 +12,9 @@
 // fp8_linear: those activations times the dequantized weight, plus the bias, in one call; given
 //   the weight packed for oneDNN, through oneDNN's linear (what dense_cpu.dense calls) instead.
 //
-// Built with -fopenmp-simd so that the `omp simd reduction` loops vectorise without -ffast-math
-// (which would change the FP8 rounding and NaN handling this file must keep exact).
+// Built with -fopenmp (compiler/kernels/cpu_ext.py): at::parallel_for is OpenMP, and the `omp simd`
+// loops vectorise without -ffast-math (which would change the FP8 rounding and NaN handling this
+// file must keep exact).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
