@@ -34,9 +34,9 @@ from calib.protocol import evaluation_windows, split_tokens
 from compiler.formats.int4 import Int4Linear
 from compiler.formats.qlinear import linear_modules
 from compiler.io.artifact import load_artifact
-from compiler.kernels.int4_cpu import reference_only
 from compiler.io.load import load_checkpoint
 from compiler.kernels.dense_cpu import pack_linears
+from compiler.kernels.int4_cpu import reference_only
 from compiler.model.kv_cache import ContiguousKVCache
 from compiler.model.moe import router_names
 from compiler.pipeline import PipelineConfig
