@@ -49,13 +49,20 @@ def test_triton_decode_matches_reference(triton_kernel, kernel_device, hq, hkv, 
     assert got.device.type == kernel_device and relative_error(got, want) < KERNEL_BOUNDS[kernel_device]
 
 
-@pytest.mark.parametrize("per_head", [False, True])
-def test_triton_decode_fp8_matches_reference(triton_kernel, kernel_device, per_head):
-    lens, hq, hkv, d, bs = [3, 20, 9], 4, 2, 16, 4
+def fp8_caches(lens: list[int], per_head: bool, hkv=2, d=16, bs=4):
+    """Float caches of sequences of ``lens`` tokens scattered in blocks, their E4M3 copies, the
+    block tables and the scale (one per KV head, or one for all)."""
     k_cache, v_cache, tables, _ = scatter_sequences(lens, 24, bs, hkv, d)
     scale = torch.tensor([[0.01], [0.02]]) if per_head else torch.tensor([[0.015]])
     k8 = quantize_kv(k_cache.view(-1, hkv, d), torch.float8_e4m3fn, scale).view(k_cache.shape)
     v8 = quantize_kv(v_cache.view(-1, hkv, d), torch.float8_e4m3fn, scale).view(v_cache.shape)
+    return k_cache, v_cache, k8, v8, tables, scale
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_triton_decode_fp8_matches_reference(triton_kernel, kernel_device, per_head):
+    lens, hq, d = [3, 20, 9], 4, 16
+    k_cache, v_cache, k8, v8, tables, scale = fp8_caches(lens, per_head, d=d)
     q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(int(per_head)))
     want = paged_decode_reference(q, k8, v8, tables, torch.tensor(lens), scale, scale)
     got = triton_kernel(*on(kernel_device, q, k8, v8, tables, torch.tensor(lens), scale, scale))
@@ -85,11 +92,8 @@ def test_cpu_decode_matches_reference(cpu_ops, hq, hkv, d, bs, window, cache_dty
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 def test_cpu_decode_fp8_matches_reference(cpu_ops, per_head, q_dtype):
-    lens, hq, hkv, d, bs = [3, 20, 9], 4, 2, 16, 4
-    k_cache, v_cache, tables, _ = scatter_sequences(lens, 24, bs, hkv, d)
-    scale = torch.tensor([[0.01], [0.02]]) if per_head else torch.tensor([[0.015]])
-    k8 = quantize_kv(k_cache.view(-1, hkv, d), torch.float8_e4m3fn, scale).view(k_cache.shape)
-    v8 = quantize_kv(v_cache.view(-1, hkv, d), torch.float8_e4m3fn, scale).view(v_cache.shape)
+    lens, hq, d = [3, 20, 9], 4, 16
+    _, _, k8, v8, tables, scale = fp8_caches(lens, per_head, d=d)
     q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(int(per_head))).to(q_dtype)
     want = paged_decode_reference(q.float(), k8, v8, tables, torch.tensor(lens), scale, scale)
     got = paged_decode_cpu(q, k8, v8, tables, torch.tensor(lens), scale, scale)
