@@ -13,7 +13,7 @@ Three implementations of one contract, all compared in tests on fresh random inp
 
 ``fp8_gemm`` picks by device: Triton on CUDA, ``_scaled_mm`` on the CPU (the reference for group
 scales), the reference on anything else. With no FP8 arithmetic on a CPU, both ``_scaled_mm`` and
-dequantize-matmul are slower than a float32 matmul (docs/BENCHMARKS.md, "FP8 GEMM on the CPU"),
+dequantize-matmul are slower than a float32 matmul (docs/notes/2026-11-fp8-gemm-cpu.md: 2.3-3.6x),
 most of it the weight's dequantization on every call; so ``Fp8Linear`` on the CPU dequantizes its
 weight once (``dequantize_weight``, kept beside the FP8 codes) and runs ``float_weight_gemm``, the
 reference's own arithmetic on that copy: the same float32 products and sums, so the same output
