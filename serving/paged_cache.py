@@ -69,6 +69,9 @@ class BatchMetadata:
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
+DECODE_KERNELS = ("triton", "cpu", "torch")  # PagedKVCache's decode attention: CUDA, the C++ kernel, the reference
+
+
 class PagedKVCache:
     """Per layer ``[num_blocks, block_size, Hkv, D]`` K and V tensors, read and written through metadata.
 
@@ -90,6 +93,8 @@ class PagedKVCache:
             raise ValueError("an FP8 KV cache needs per-layer k_scales and v_scales")
         self.sliding_windows = layer_windows(sliding_window, spec.num_layers)
         # "triton" (CUDA), "cpu" (the C++ kernel) or "torch" (the reference); decode_kernel_note says why
+        if decode_kernel not in (None, *DECODE_KERNELS):
+            raise ValueError(f"decode_kernel {decode_kernel!r}: one of {', '.join(DECODE_KERNELS)}")
         self.decode_kernel, self.decode_kernel_note = decode_kernel or self._default_decode_kernel(), ""
         if self.decode_kernel == "torch" and decode_kernel is None:
             self.decode_kernel_note = ("no Triton on this CUDA device" if self.device.type == "cuda"

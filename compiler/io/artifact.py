@@ -16,8 +16,9 @@ Integrity: the manifest lists every tensor's SHA-256 and every tokenizer file's
 (``tokenizer_files``), and the weights files' safetensors metadata holds the SHA-256 of the
 manifest's content (its canonical JSON: sorted keys, no whitespace), so the two vouch for each
 other. Reading the manifest checks its checksum and the tokenizer files (each present and
-unchanged, and no file in the directory that the artifact was not written with); loading also
-checks the schema version and every tensor's name, dtype, shape and checksum. A corrupt,
+unchanged; the tokenizer is loaded from those files alone, so another file in the directory is
+never read); loading also checks the schema version and every tensor's name, dtype, shape and
+checksum. A corrupt,
 truncated or edited artifact is a one-line ``ArtifactError``, never wrong outputs.
 """
 from __future__ import annotations
@@ -180,8 +181,9 @@ def read_manifest(path: str | Path) -> dict:
 
 
 def _check_tokenizer_files(path: Path, manifest: dict, where: Path | None = None) -> None:
-    """Each tokenizer file the manifest lists is there (in ``path``) and unchanged; errors name ``where`` (the artifact). Other files in the directory
-    are not refused: the tokenizer is loaded from the listed files alone (``_load_tokenizer``).
+    """Each tokenizer file the manifest lists is there (in ``path``) and unchanged; errors name
+    ``where`` (the artifact). Other files in the directory are not refused: the tokenizer is loaded
+    from the listed files alone (``_load_tokenizer``).
 
     An artifact without ``tokenizer_files`` was written before tokenizer files were hashed; it
     loads as it always did (the tokenizer must be there when promised, ``load_artifact``), since

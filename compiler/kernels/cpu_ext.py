@@ -39,15 +39,20 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 
 
+def _build(verbose: bool) -> None:
+    """Build the library into torch's extensions cache (or find it there) and load it."""
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(name="qcompile_cpu", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                       is_python_module=False, verbose=verbose)
+
+
 @functools.cache
 def _load() -> tuple[object | None, str]:
     if os.environ.get(SWITCH, "1") == "0":
         return None, f"turned off ({SWITCH}=0)"
     try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(name="qcompile_cpu", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                           is_python_module=False, verbose=False)
+        _build(verbose=False)
     except Exception as e:  # no compiler or ninja, a failed build: the callers fall back and report it
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return None, f"not built ({first_line[:200]}); run 'python -m compiler.kernels.cpu_ext' to see the build log"
@@ -64,6 +69,9 @@ def cpu_kernels_status() -> str:
     return _load()[1]
 
 
+_NO_SCALE = torch.ones(1)  # an unscaled cache's K/V scale (read, never written)
+
+
 def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                      sliding_window: int | None = None) -> torch.Tensor:
@@ -72,8 +80,7 @@ def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ops = cpu_kernels()
     if ops is None:
         raise RuntimeError(f"the C++ paged-decode kernel is not available: {cpu_kernels_status()}")
-    one = torch.ones(1)
-    ks, vs = (one if s is None else s.float().reshape(-1).contiguous() for s in (k_scale, v_scale))
+    ks, vs = (_NO_SCALE if s is None else s.float().reshape(-1).contiguous() for s in (k_scale, v_scale))
     out = ops.paged_decode(q.float().contiguous(), k_cache.contiguous(), v_cache.contiguous(),
                            block_tables.long().contiguous(), seq_lens.long().contiguous(), ks, vs,
                            sliding_window or 0, q.shape[-1] ** -0.5)
@@ -85,10 +92,7 @@ def build() -> int:
     if os.environ.get(SWITCH, "1") == "0":
         print(f"qcompile CPU kernels: turned off ({SWITCH}=0)")
         return 0
-    from torch.utils import cpp_extension
-
-    cpp_extension.load(name="qcompile_cpu", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                       is_python_module=False, verbose=True)
+    _build(verbose=True)
     print(f"qcompile CPU kernels: built, torch.ops.qcompile_cpu has {', '.join(_op_names())}")
     return 0
 

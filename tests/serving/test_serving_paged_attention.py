@@ -119,3 +119,8 @@ def test_engine_decodes_through_the_triton_kernel(kernel_device, tiny_checkpoint
     engine.cache.decode_kernel = "triton"
     got = [engine.generate(prompt_token_ids=p, max_tokens=6, ignore_eos=True).token_ids for p in prompts]
     assert got == want
+
+
+def test_an_unknown_decode_kernel_is_refused():
+    with pytest.raises(ValueError, match="decode_kernel 'cuda': one of triton, cpu, torch"):
+        PagedKVCache(KVCacheSpec(1, 4, 4, 1, 8, torch.float32), decode_kernel="cuda")
