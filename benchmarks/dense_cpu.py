@@ -1,11 +1,15 @@
 """Float32 linear layers on the CPU: MKL's ``F.linear`` against oneDNN on a packed weight, by rows.
 
-    python benchmarks/dense_cpu.py [--threads 2] [--rows 1,2,3,4,16,64] [--layers 30] [--repeats 10]
+    python benchmarks/dense_cpu.py [--threads 2] [--rows 1,2,3,4,16,64] [--layers 30] [--repeats 10] [--modules]
 
 The layers are SmolLM2's decoder projections as the engine runs them (q/k/v fused 576 -> 960,
 o 576 -> 576, gate/up fused 576 -> 3072, down 1536 -> 576), ``--layers`` copies of each, so that the
 weights (SmolLM2's 425 MB at 30 layers) are cold in cache as in a decode step. Prints ms for one
 pass over all of them per way; ``compiler/kernels/dense_cpu.py`` picks ``PACKED_FROM_ROWS`` from it (per CPU vendor).
+
+``--modules`` adds the layers as the engine calls them, Python included: float's ``PackedLinear``
+and ``Fp8Linear`` (W8A8 per token with the input shift, ``examples/fp8.toml``'s format) with its
+float copy packed (``pack_linears``), so the FP8 column is float's matmul plus what FP8 adds.
 """
 from __future__ import annotations
 
@@ -40,20 +44,57 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,3,4,16,64")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--modules", action="store_true", help="also time PackedLinear and Fp8Linear modules")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     weights = [torch.randn(n, k) for _ in range(args.layers) for k, n in SHAPES]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
     onednn = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731
+    float_modules, fp8_modules = engine_modules(weights) if args.modules else ([], [])
     print(f"{args.layers} layers x {len(SHAPES)} projections, float32, {args.threads} threads: ms per pass")
-    print(f"{'rows':>6} {'F.linear (MKL)':>16} {'oneDNN packed':>15}")
+    print(f"{'rows':>6} {'F.linear (MKL)':>16} {'oneDNN packed':>15}"
+          + (f" {'PackedLinear':>13} {'Fp8Linear':>10}" if args.modules else ""))
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
             inputs = {k: torch.randn(rows, k) for k in {k for k, _ in SHAPES}}
             mkl = pass_ms(weights, inputs, lambda x, w: F.linear(x, w), args.repeats)
             dnn = pass_ms(packed, inputs, onednn, args.repeats)
-            print(f"{rows:>6} {mkl:>16.1f} {dnn:>15.1f}")
+            line = f"{rows:>6} {mkl:>16.1f} {dnn:>15.1f}"
+            if args.modules:
+                line += f" {pass_ms(float_modules, inputs, call, args.repeats):>13.1f}"
+                line += f" {pass_ms(fp8_modules, inputs, call, args.repeats):>10.1f}"
+            print(line)
+
+
+class _Layer(torch.nn.Module):
+    """A module with the input width ``pass_ms`` reads from ``.shape[1]``."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module, self.shape = module, (module.out_features, module.in_features)
+
+
+def call(x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+    return layer.module(x)
+
+
+def engine_modules(weights: list[torch.Tensor]) -> tuple[list[_Layer], list[_Layer]]:
+    """Each weight as float's PackedLinear and as a per-token W8A8 Fp8Linear, packed as the engine packs them."""
+    from compiler.formats.fp8 import Fp8Format, Fp8Linear
+    from compiler.kernels.dense_cpu import pack_linears
+
+    float_modules, fp8_modules = [], []
+    for w in weights:
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        linear.weight.data = w
+        fmt = Fp8Format.for_linear(linear, input_shift=True)
+        fp8 = Fp8Linear.from_linear(linear, fmt, None, input_shift=torch.zeros(w.shape[1]))
+        holder = torch.nn.ModuleList([linear, fp8])
+        pack_linears(holder)  # the linear becomes a PackedLinear, the Fp8Linear packs its float copy
+        float_modules.append(_Layer(holder[0]))
+        fp8_modules.append(_Layer(holder[1]))
+    return float_modules, fp8_modules
 
 
 if __name__ == "__main__":
