@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from compiler.errors import ArtifactError
 from compiler.formats.qlinear import QuantizedLinear, register_format
-from compiler.kernels.cpu_ext import cpu_kernels
+from compiler.kernels.cpu_ext import cpu_kernels, fp8_codes_gemm_enabled, pack_fp8_codes
 from compiler.kernels.dense_cpu import PACKED_FROM_ROWS, DerivedTensor, onednn_available, pack_weight
 from compiler.kernels.fp8_gemm import (
     dequantize_activations,
@@ -197,6 +197,7 @@ class Fp8Linear(QuantizedLinear):
         self.register_buffer("outlier_weight", torch.empty(n, r, dtype=dtype) if r else None)
         self._float_weight = DerivedTensor()  # never saved: see float_weight()
         self._packed_weight: DerivedTensor | None = None  # float_weight() for oneDNN, once pack_cpu_weight() is called
+        self._cpu_codes = DerivedTensor()  # never saved: see cpu_codes()
 
     @property
     def quantizes_activations(self) -> bool:
@@ -332,16 +333,28 @@ class Fp8Linear(QuantizedLinear):
 
         return self._float_weight.get((self.weight, self.weight_scale, self.outlier_weight), build)
 
+    def cpu_codes(self) -> torch.Tensor:
+        """The FP8 codes in ``fp8_linear_codes``' layout (``pack_fp8_codes``: 1 byte per weight, the
+        codes themselves rearranged), built on first use and again whenever ``weight`` is replaced
+        or written in place; never saved."""
+        return self._cpu_codes.get((self.weight,), lambda: pack_fp8_codes(self.weight))
+
     def drop_float_weight(self) -> None:
-        """Free the float32 copy (rebuilt on the next CPU forward): a compile measures a layer's
-        error through it, then must not keep 4 bytes per weight of every converted layer."""
+        """Free the derived copies (rebuilt on the next CPU forward): a compile measures a layer's
+        error through one, then must not keep it for every converted layer."""
         self._float_weight.drop()
+        self._cpu_codes.drop()
 
     def pack_cpu_weight(self) -> bool:
-        """Keep ``float_weight()`` in oneDNN's layout too, for batches of ``PACKED_FROM_ROWS`` rows
-        or more (the serving engine's ``pack_linears``; 4 bytes per weight more). False where the
-        CPU forward would not use it: weight-only layers, the float copy turned off, no oneDNN, not
-        on the CPU."""
+        """Prepare the serving engine's CPU forward now (``pack_linears``), a one-time cost at load:
+        the codes' layout where ``fp8_linear_codes`` runs (no float copy at all), else
+        ``float_weight()`` in oneDNN's layout too, for batches of ``PACKED_FROM_ROWS`` rows or more
+        (4 bytes per weight more). False where the CPU forward would use neither: weight-only
+        layers, the float copy turned off, no oneDNN, not on the CPU."""
+        if self._takes_codes():
+            with torch.no_grad():
+                self.cpu_codes()
+            return True
         if not (self.format.quantizes_activations and float_weight_enabled() and onednn_available()
                 and self.weight.is_cpu):
             return False
@@ -354,16 +367,26 @@ class Fp8Linear(QuantizedLinear):
         return self._packed_weight.get((self.weight, self.weight_scale), lambda: pack_weight(self.float_weight()))
 
     def _one_cpu_call(self, x: torch.Tensor) -> bool:
-        """Whether ``forward`` is the C++ ``fp8_linear``: a float32 model on the CPU with the float
-        copy, per-token or static activation scales, no outlier channels, outside autograd (the op
-        has no backward)."""
+        """Whether ``forward`` is one C++ call: a float32 model on the CPU, per-token or static
+        activation scales, no outlier channels, outside autograd (the ops have no backward)."""
         fmt = self.format
         return (x.is_cpu and x.dtype == torch.float32 and fmt.quantizes_activations and not fmt.activation_group_size
                 and self.outlier_index is None and (self.bias is None or self.bias.dtype == torch.float32)
-                and not torch.is_grad_enabled() and float_weight_enabled() and cpu_kernels() is not None)
+                and not torch.is_grad_enabled() and cpu_kernels() is not None)
+
+    def _takes_codes(self) -> bool:
+        """Whether a one-call forward multiplies the codes themselves (``fp8_linear_codes``) rather
+        than the float copy: where the CPU has AVX512-BF16 and it is not turned off."""
+        fmt = self.format
+        return (fmt.quantizes_activations and not fmt.activation_group_size and self.outlier_index is None
+                and self.weight.is_cpu and fp8_codes_gemm_enabled())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._one_cpu_call(x):  # at a few tokens the Python path below costs more than its arithmetic
+        if self._one_cpu_call(x) and self._takes_codes():  # 1 byte per weight read, where the copy reads 4
+            return cpu_kernels().fp8_linear_codes(x, self.input_shift, self.input_scale, self.format.activation_torch_dtype,
+                                                  self.cpu_codes(), self.weight.dtype, self.weight_scale,
+                                                  self.out_features, self.bias)
+        if self._one_cpu_call(x) and float_weight_enabled():  # at a few tokens the Python path costs more than its arithmetic
             takes_packed = self._packed_weight is not None and x.numel() >= PACKED_FROM_ROWS * self.in_features
             return cpu_kernels().fp8_linear(x, self.input_shift, self.input_scale, self.format.activation_torch_dtype,
                                             self.float_weight(), self.bias, self._packed() if takes_packed else None)

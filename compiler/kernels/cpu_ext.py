@@ -12,6 +12,22 @@
   ``fp8_linear(x, shift, static_scale, dtype, weight, bias, packed)``: that, times the dequantized
   float32 weight (or ``packed``, that weight in oneDNN's layout), plus the bias, in one call (a
   float32 model's forward, whose Python path costs more than the rounding at a few tokens).
+- ``rms_norm(x, weight, eps, weight_offset)``, ``rope_qk(q, k, cos, sin)``: the decoder layer's
+  RMSNorm and rotary embedding (``compiler/model/layers.py``) in one op each, float32; RoPE bit for
+  bit, the norm within an ulp of its scale (a sum's order). A decode step runs them about a
+  hundred times, where each torch op's dispatch costs more than its arithmetic.
+  ``cpu_kernels_for(x)`` says whether a forward on x may use them. (SwiGLU is left to torch: a
+  fused op's ``exp`` differs from torch's in the last bit, and the fused and unfused MLPs of one
+  model must agree, since an FP8 layer after them rounds its input to a code.)
+- ``fp8_linear_codes(x, shift, static_scale, activation_dtype, packed, weight_dtype, weight_scale,
+  out_features, bias)``: ``Fp8Linear``'s forward on its codes (``pack_fp8_codes``' layout), where
+  the CPU has AVX512-BF16 (``fp8_codes_gemm_enabled()``): FP8 values are exact in bfloat16 and
+  their products in float32, so a bfloat16 dot product multiplies the activation codes by the
+  weight codes exactly; the scales are applied to the float32 sums. Within ~1e-7 of the dequantize
+  reference (the order of the float32 roundings), 1 byte read per weight instead of the float
+  copy's 4, and no float copy kept.
+- ``int4_linear(x, weight, group_size, scales_and_zeros, padded_in_features, bias)``:
+  ``int4_cpu_matmul``'s casts, padding, torch's INT4 kernel and bias in one call, the same bits.
 
 torch builds the library with its C++ toolchain (``torch.utils.cpp_extension``: a C++ compiler and
 ``ninja``) into its extensions cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
@@ -35,7 +51,9 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 # -O3 -march=native: built on the machine that runs it. -fopenmp: at::parallel_for is inline
 # OpenMP in ATen's headers, so without it the kernels run on one thread; its `omp simd` loops
 # vectorise without -ffast-math, which would change the FP8 rounding and NaN handling kept exact.
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# -ffp-contract=off: GCC would otherwise fuse a * b + c into an FMA, and rope_qk would no longer be
+# bit for bit torch's (the attention kernel measured no slower without it).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
 
 
@@ -62,6 +80,40 @@ def _load() -> tuple[object | None, str]:
 def cpu_kernels():
     """``torch.ops.qcompile_cpu`` (built on first use), or None when it cannot be built or is turned off."""
     return _load()[0]
+
+
+def cpu_kernels_for(x: torch.Tensor):
+    """``cpu_kernels()`` where a layer's forward on ``x`` may run them instead of its torch code: a
+    float32 CPU tensor outside autograd (the ops have no backward); else None."""
+    if x.dtype is torch.float32 and x.is_cpu and not torch.is_grad_enabled():
+        return cpu_kernels()
+    return None
+
+
+CODES_SWITCH = "QCOMPILE_FP8_CPU_CODES"
+
+
+def fp8_codes_gemm_enabled() -> bool:
+    """Whether ``fp8_linear_codes`` can run here: the kernels loaded, built for a CPU with
+    AVX512-BF16, and not turned off (``QCOMPILE_FP8_CPU_CODES=0``, to compare with the float copy)."""
+    ops = cpu_kernels()
+    return ops is not None and os.environ.get(CODES_SWITCH, "1") != "0" and _has_bf16_dot()
+
+
+@functools.cache
+def _has_bf16_dot() -> bool:
+    return bool(torch.ops.qcompile_cpu.fp8_codes_gemm_available())
+
+
+def pack_fp8_codes(weight: torch.Tensor) -> torch.Tensor:
+    """FP8 weight codes [N, K] -> ``fp8_linear_codes``' layout, uint8 [ceil(N/16), ceil(K/2), 16, 2]:
+    per block of 16 output channels and pair of input channels, the 16 channels' two codes (zero
+    codes where N or K is padded)."""
+    n, k = weight.shape
+    blocks, pairs = -(-n // 16), -(-k // 2)
+    codes = torch.zeros(blocks * 16, pairs * 2, dtype=torch.uint8, device=weight.device)
+    codes[:n, :k] = weight.view(torch.uint8)
+    return codes.view(blocks, 16, pairs, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def cpu_kernels_status() -> str:

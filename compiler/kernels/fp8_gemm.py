@@ -25,6 +25,13 @@ relative), as its float linears.
 The activations' quantization on the CPU is one C++ op (``fp8_fake_quant_rows``,
 ``compiler/kernels/cpu_ext.py``), bit for bit the torch ops of ``compiler/quant/fp8.py``.
 
+Where the CPU has AVX512-BF16, a float32 model's forward outside autograd skips the copy altogether:
+``fp8_linear_codes`` (``compiler/kernels/cpu_ext.py``) multiplies the activation codes by the weight
+codes in a bfloat16 dot product (FP8 values are exact in bfloat16, their products in float32) and
+applies both scales to the float32 sums: within ~1e-7 of the reference (the roundings in another
+order), 1 byte read per weight, and no copy kept. The copy above serves the other CPUs, autograd,
+and ``QCOMPILE_FP8_CPU_CODES=0``.
+
 Why float32 and not the model's dtype: an E4M3 code has 4 significant bits and a float32 scale
 24, so their product needs up to 28 and is rounded even in float32 — the reference rounds it the
 same way, which is why the copy must be made with the reference's expression. In bfloat16 (8

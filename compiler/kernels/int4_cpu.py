@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from compiler.kernels.cpu_ext import cpu_kernels
 from compiler.quant.int4 import SYMMETRIC_ZERO
 
 KERNEL = "aten._weight_int4pack_mm_for_cpu"
@@ -132,6 +133,9 @@ def pack_for_cpu(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 
 def int4_cpu_matmul(x: torch.Tensor, pack: Int4CpuPack, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (K <= K_padded; the rest is zero-padded) -> [..., N] in x's dtype, plus ``bias``."""
+    ops = cpu_kernels()
+    if ops is not None:  # the same ops below in one C++ call: at a few tokens their dispatch is the cost
+        return ops.int4_linear(x, pack.weight, pack.group_size, pack.scales_and_zeros, pack.padded_in_features, bias)
     shape = x.shape
     k = shape[-1]
     a = x.reshape(-1, k).to(COMPUTE_DTYPE, memory_format=torch.contiguous_format)

@@ -3,7 +3,9 @@
 Module names mirror Hugging Face's (``self_attn.q_proj``, ``self_attn.q_norm``, ``mlp.down_proj``)
 so checkpoints load by name. Every projection is a plain ``nn.Linear`` that a pass may swap for a
 quantized module with the same ``forward(x) -> y``; attention hands K/V to an optional cache
-object (see ``kv_cache.py``).
+object (see ``kv_cache.py``). Outside autograd, a float32 model on the CPU runs its norms and RoPE
+through the C++ kernels (``compiler/kernels/cpu_ext.py``: one op each instead of up to a dozen);
+the torch code here is what they are tested against and what runs everywhere else.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from compiler.kernels.cpu_ext import cpu_kernels_for
 from compiler.model.architectures import SLIDING
 from compiler.model.config import ModelConfig
 from compiler.model.kv_cache import KVCache, attention_mask, sdpa
@@ -29,6 +32,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cpu_kernels_for(x)
+        if ops is not None and self.weight.dtype is torch.float32:
+            return ops.rms_norm(x, self.weight, self.eps, self.weight_offset)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -39,7 +48,7 @@ class GemmaRMSNorm(RMSNorm):
 
     weight_offset = 1.0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
@@ -172,7 +181,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         r = self.rope_index
         cos, sin = cos[:, r : r + 1], sin[:, r : r + 1]  # [B, 1, T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        ops = cpu_kernels_for(q)
+        q, k = ops.rope_qk(q, k, cos, sin) if ops is not None else (apply_rope(q, cos, sin), apply_rope(k, cos, sin))
         if self.q_scale != 1.0:
             q = q * self.q_scale
         if self.kv_quant is not None:

@@ -267,11 +267,15 @@ def test_the_engine_serves_each_compiled_architecture(case, name, compiled):
     # The logits with INT4 in float32 (the dequantize reference): the CPU kernel rounds activations
     # to bfloat16, so a last-bit difference between the paged and the contiguous attention now and
     # then moves a row by a bfloat16 ulp (Qwen3-MoE: up to 7.7e-4 over a prompt). A cache read at
-    # the wrong position moves them by 1e-1, a wrongly fused projection by 1.
+    # the wrong position moves them by 1e-1, a wrongly fused projection by 1. FP8 (static
+    # activations here) rounds each layer's input to a code: the paged attention's last bit, where
+    # it differs from SDPA's, moves an input across a rounding boundary now and then, and that one
+    # code moves every later row (Mixtral: 5.8e-3 from the 7th token of one prompt, the others
+    # equal bit for bit), so FP8's bound is 2e-2 — still 5x under a misplaced cache read.
     with reference_only():
         want, want_logits, got, logits = serve(result.path, prompts, params)
     assert got == want
     for tokens, seen, ref in zip(got, logits, want_logits):
         err = relative_error(seen, ref)
         print(f"{case} {name}: {len(set(tokens))} distinct of {len(tokens)} tokens, logits relative error {err:.1e}")
-        assert err < 1e-4
+        assert err < (2e-2 if name == "fp8" else 1e-4)

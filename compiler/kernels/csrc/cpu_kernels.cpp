@@ -12,6 +12,11 @@
 // fp8_linear: those activations times the dequantized weight, plus the bias, in one call; given
 //   the weight packed for oneDNN, through oneDNN's linear (what dense_cpu.dense calls) instead.
 //
+// rms_norm, rope_qk: the decoder layer's RMSNorm and rotary embedding, one op each
+//   (compiler/model/layers.py); int4_linear: Int4Linear's bfloat16 casts, padding, torch's INT4 kernel
+//   and bias in one call. At a decode step's few tokens each torch op's dispatch costs more than its
+//   arithmetic, and a step runs these some two hundred times.
+//
 // Built with -fopenmp (compiler/kernels/cpu_ext.py): at::parallel_for is OpenMP, and the `omp simd`
 // loops vectorise without -ffast-math (which would change the FP8 rounding and NaN handling this
 // file must keep exact).
@@ -28,6 +33,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -478,6 +484,298 @@ at::Tensor fp8_linear(const at::Tensor& x, const c10::optional<at::Tensor>& shif
   return y.view(shape);
 }
 
+// Rows of at least this many values are worth a thread each; fewer share one.
+constexpr int64_t kRowGrain = 16384;
+
+// fp8_linear_codes: Fp8Linear's forward on its FP8 codes, never a float copy of the weight. FP8 values
+// (E4M3 and E5M2 alike) are exact in bfloat16 and the product of two is exact in float32, so
+// AVX512-BF16's dot product (vdpbf16ps: pairs of bfloat16 products added into float32) multiplies
+// the activation codes by the weight codes exactly and sums them in float32; the row's and the
+// channel's scales are applied to the sum. The reference (dequantize both, then a float32 matmul)
+// rounds each factor times its scale first, so the two differ by float32 rounding, as two GEMMs'
+// summation orders do (~1e-7 relative), never by a code. Reads 1 byte per weight where the float
+// copy reads 4 (and twice float32's multiply-adds per instruction). Each output depends on its own
+// row only, so a token's result does not change with the batch it is in.
+//
+// The weight is laid out once (compiler/formats/fp8.py, pack_fp8_codes) as uint8 [N/16, K/2, 16, 2]:
+// for each block of 16 output channels and each pair of input channels, the 16 channels' two codes,
+// which a 128-magnitude lookup table turns into the 32 bfloat16 lanes vdpbf16ps takes.
+#if defined(__AVX512BF16__)
+constexpr bool kFp8CodesGemm = true;
+
+// The bfloat16 bits of an FP8 format's 128 magnitudes (codes 0..127; the sign bit is moved over).
+struct Bf16Magnitudes {
+  alignas(64) uint16_t bits[128];
+  template <typename F8>
+  static Bf16Magnitudes of() {
+    Bf16Magnitudes t;
+    for (int i = 0; i < 128; ++i) {
+      const float f = static_cast<float>(F8(static_cast<uint8_t>(i), F8::from_bits()));
+      uint32_t b;
+      std::memcpy(&b, &f, 4);
+      t.bits[i] = static_cast<uint16_t>(b >> 16);  // exact: 3 or 2 mantissa bits; NaN stays NaN
+    }
+    return t;
+  }
+};
+const Bf16Magnitudes kE4m3Bf16 = Bf16Magnitudes::of<c10::Float8_e4m3fn>();
+const Bf16Magnitudes kE5m2Bf16 = Bf16Magnitudes::of<c10::Float8_e5m2>();
+
+struct CodeTable {
+  __m512i t0, t1, t2, t3;  // magnitudes 0-31, 32-63, 64-95, 96-127
+  explicit CodeTable(const Bf16Magnitudes& m)
+      : t0(_mm512_loadu_si512(m.bits)), t1(_mm512_loadu_si512(m.bits + 32)),
+        t2(_mm512_loadu_si512(m.bits + 64)), t3(_mm512_loadu_si512(m.bits + 96)) {}
+};
+
+// 32 FP8 codes -> their 32 bfloat16 values.
+inline __m512i codes_to_bf16(const uint8_t* p, const CodeTable& t) {
+  const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i low = _mm512_permutex2var_epi16(t.t0, c, t.t1), high = _mm512_permutex2var_epi16(t.t2, c, t.t3);
+  const __m512i magnitude = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, _mm512_set1_epi16(0x40)), low, high);
+  return _mm512_or_si512(magnitude, _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8));
+}
+
+// A row's FP8 codes (as fake_quant_rows rounds them, before the scale) in bfloat16, K padded with
+// zeros to an even count, and the row's scale.
+template <typename F8>
+void quantize_rows_bf16(const float* x, const float* shift, const float* static_scale, const Fp8Spec& spec, int64_t M,
+                        int64_t K, int64_t K_even, uint16_t* codes, float* scales) {
+  at::parallel_for(0, M, std::max<int64_t>(1, kRowGrain / K), [&](int64_t begin, int64_t end) {
+    std::vector<float> centred(shift ? K : 0);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x + r * K;
+      if (shift) {
+#pragma omp simd
+        for (int64_t i = 0; i < K; ++i) centred[i] = xr[i] - shift[i];
+        xr = centred.data();
+      }
+      float s;
+      if (static_scale) {
+        s = *static_scale;
+      } else {
+        s = row_amax(xr, K) / spec.max;
+        s = s < 1e-12f ? 1e-12f : s;
+      }
+      scales[r] = s;
+      uint16_t* q = codes + r * K_even;
+      const __m512 sv = _mm512_set1_ps(s);
+      int64_t i = 0;
+      for (; i + 16 <= K; i += 16) {
+        const __m256bh b = _mm512_cvtneps_pbh(round_trip16(_mm512_div_ps(_mm512_loadu_ps(xr + i), sv), spec));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), reinterpret_cast<const __m256i&>(b));
+      }
+      for (; i < K_even; ++i) {
+        const float v = i < K ? round_trip<F8>(xr[i] / s, spec.max) : 0.f;
+        const __m128bh b = _mm_cvtneps_pbh(_mm_set1_ps(v));
+        q[i] = static_cast<uint16_t>(_mm_extract_epi16(reinterpret_cast<const __m128i&>(b), 0));
+      }
+    }
+  });
+}
+
+struct CodesGemm {
+  const uint16_t* x;  // [M, K_even] bfloat16 codes
+  int64_t M, K_pairs;
+  const float *x_scale, *w_scale, *bias;  // [M]; [N] or one; [N] or null
+  bool per_tensor;
+  float* y;  // [M, N]
+  int64_t N;
+};
+
+// Rows [0, MB) of a tile of J blocks of 16 channels from n0: the sums over every pair, then the scales and bias.
+template <int J, int MB>
+void codes_tile(const CodesGemm& g, const uint16_t* panel, const uint16_t* x, const float* x_scale, float* y, int64_t n0) {
+  __m512 acc[MB][J];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < J; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < g.K_pairs; ++p) {
+    __m512bh w[J];
+    for (int j = 0; j < J; ++j) w[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + (j * g.K_pairs + p) * 32));
+    for (int m = 0; m < MB; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * 2 * g.K_pairs + 2 * p, 4);
+      const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      for (int j = 0; j < J; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, w[j]);
+    }
+  }
+  for (int j = 0; j < J; ++j) {
+    const int64_t n = n0 + 16 * j, count = std::min<int64_t>(16, g.N - n);
+    const __mmask16 mask = count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+    const __m512 ws = g.per_tensor ? _mm512_set1_ps(*g.w_scale) : _mm512_maskz_loadu_ps(mask, g.w_scale + n);
+    for (int m = 0; m < MB; ++m) {
+      __m512 v = _mm512_mul_ps(_mm512_mul_ps(acc[m][j], _mm512_set1_ps(x_scale[m])), ws);
+      if (g.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, g.bias + n));
+      _mm512_mask_storeu_ps(y + m * g.N + n, mask, v);
+    }
+  }
+}
+
+// Every row, in tiles of 6 (6 x 4 accumulators fill 24 of the 32 vector registers) and the rest.
+template <int J>
+void codes_rows(const CodesGemm& g, const uint16_t* panel, int64_t n0) {
+  using Tile = void (*)(const CodesGemm&, const uint16_t*, const uint16_t*, const float*, float*, int64_t);
+  static constexpr Tile tiles[] = {nullptr, codes_tile<J, 1>, codes_tile<J, 2>, codes_tile<J, 3>, codes_tile<J, 4>,
+                                   codes_tile<J, 5>, codes_tile<J, 6>};
+  for (int64_t m = 0; m < g.M; m += 6)
+    tiles[std::min<int64_t>(6, g.M - m)](g, panel, g.x + m * 2 * g.K_pairs, g.x_scale + m, g.y + m * g.N, n0);
+}
+
+// Each thread turns 64 channels' codes at a time into bfloat16 (a panel that stays in its cache)
+// and runs every row against them.
+void codes_gemm(const CodesGemm& g, const uint8_t* packed, int64_t n_blocks, const CodeTable& table) {
+  using Rows = void (*)(const CodesGemm&, const uint16_t*, int64_t);
+  static constexpr Rows rows[] = {nullptr, codes_rows<1>, codes_rows<2>, codes_rows<3>, codes_rows<4>};
+  const int64_t groups = (n_blocks + 3) / 4, block = g.K_pairs * 32;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> panel(4 * block);
+    for (int64_t group = begin; group < end; ++group) {
+      const int64_t b0 = group * 4, J = std::min<int64_t>(4, n_blocks - b0);
+      for (int64_t i = 0; i < J * block; i += 32) _mm512_storeu_si512(panel.data() + i, codes_to_bf16(packed + b0 * block + i, table));
+      rows[J](g, panel.data(), b0 * 16);
+    }
+  });
+}
+#else
+constexpr bool kFp8CodesGemm = false;
+#endif
+
+bool fp8_codes_gemm_available() { return kFp8CodesGemm; }
+
+at::Tensor fp8_linear_codes(const at::Tensor& x, const c10::optional<at::Tensor>& shift,
+                            const c10::optional<at::Tensor>& static_scale, at::ScalarType activation_dtype,
+                            const at::Tensor& packed, at::ScalarType weight_dtype, const at::Tensor& weight_scale,
+                            int64_t out_features, const c10::optional<at::Tensor>& bias) {
+#if defined(__AVX512BF16__)
+  const int64_t K = x.size(-1), N = out_features, K_pairs = (K + 1) / 2, n_blocks = (N + 15) / 16;
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(0) == n_blocks &&
+              packed.size(1) == K_pairs && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous(),
+              "packed must be pack_fp8_codes' uint8 [ceil(N/16), ceil(K/2), 16, 2] for x's K and out_features");
+  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat && (weight_scale.numel() == N || weight_scale.numel() == 1),
+              "weight_scale must be float32 [N] or [1]");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N), "bias must be float32 [N]");
+  if (shift) TORCH_CHECK(shift->scalar_type() == at::kFloat && shift->is_contiguous() && shift->numel() == K, "shift must be float32 [K]");
+  if (static_scale) TORCH_CHECK(static_scale->scalar_type() == at::kFloat && static_scale->numel() == 1, "static_scale must be float32 [1]");
+  TORCH_CHECK(activation_dtype == at::kFloat8_e4m3fn || activation_dtype == at::kFloat8_e5m2,
+              "activation_dtype must be float8_e4m3fn or float8_e5m2");
+  TORCH_CHECK(weight_dtype == at::kFloat8_e4m3fn || weight_dtype == at::kFloat8_e5m2,
+              "weight_dtype must be float8_e4m3fn or float8_e5m2");
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  at::Tensor codes = at::empty({M, 2 * K_pairs}, x.options().dtype(at::kBFloat16));
+  at::Tensor x_scale = at::empty({M}, x.options());
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* sp = shift ? shift->data_ptr<float>() : nullptr;
+  const float* ssp = static_scale ? static_scale->data_ptr<float>() : nullptr;
+  auto* code_ptr = reinterpret_cast<uint16_t*>(codes.data_ptr());
+  if (activation_dtype == at::kFloat8_e4m3fn)
+    quantize_rows_bf16<c10::Float8_e4m3fn>(x2.data_ptr<float>(), sp, ssp, kE4m3Spec, M, K, 2 * K_pairs, code_ptr, x_scale.data_ptr<float>());
+  else
+    quantize_rows_bf16<c10::Float8_e5m2>(x2.data_ptr<float>(), sp, ssp, kE5m2Spec, M, K, 2 * K_pairs, code_ptr, x_scale.data_ptr<float>());
+  const at::Tensor ws = weight_scale.contiguous();
+  const CodesGemm g{code_ptr, M, K_pairs, x_scale.data_ptr<float>(), ws.data_ptr<float>(),
+                    bias ? bias->data_ptr<float>() : nullptr, ws.numel() == 1 && N != 1, y.data_ptr<float>(), N};
+  const CodeTable table(weight_dtype == at::kFloat8_e4m3fn ? kE4m3Bf16 : kE5m2Bf16);
+  codes_gemm(g, packed.data_ptr<uint8_t>(), n_blocks, table);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return y.view(shape);
+#else
+  TORCH_CHECK(false, "fp8_linear_codes needs AVX512-BF16, which this build's CPU lacks (fp8_codes_gemm_available())");
+#endif
+}
+
+// The decode step's small elementwise layers, one op each instead of six to twelve torch ops (at
+// a few tokens a step their dispatch, not their arithmetic, is what they cost). float32 only; the
+// callers (compiler/model/layers.py) run the torch code for anything else.
+
+// RMSNorm over the last axis, as compiler.model.layers.RMSNorm (weight_offset 0: weight * (x * r))
+// and GemmaRMSNorm (offset 1: (x * r) * (1 + weight)) compute it, r = 1 / sqrt(mean(x^2) + eps):
+// the same float32 products in the same order, the sum of squares in another order (last bit of r).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double weight_offset) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm takes float32 x and weight");
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(weight.numel() == D, "weight must have x's last size");
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const float *xp = xc.data_ptr<float>(), *w = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps), offset = static_cast<float>(weight_offset);
+  at::parallel_for(0, xc.numel() / D, std::max<int64_t>(1, kRowGrain / D), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * D;
+      float* o = op + r * D;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < D; ++i) squares += xr[i] * xr[i];
+      const float rs = 1.f / std::sqrt(squares / static_cast<float>(D) + e);
+      if (offset == 0.f) {
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) o[i] = w[i] * (xr[i] * rs);
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) o[i] = (xr[i] * rs) * (offset + w[i]);
+      }
+    }
+  });
+  return out;
+}
+
+// x [B, H, T, D] rotated by cos/sin [B, 1, T, D] (compiler.model.layers.apply_rope: x * cos +
+// cat(-x2, x1) * sin, rotate-half), bit for bit: the same products and sum (the extension builds in
+// ISO C++, so nothing is contracted into an FMA). Any strides with the last one 1; the result is laid
+// out [B, T, H, D] (returned as its [B, H, T, D] view), as the projection wrote q and k.
+at::Tensor rope_one(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3), half = D / 2;
+  at::Tensor out = at::empty({B, T, H, D}, x.options());
+  const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * T * H, std::max<int64_t>(1, kRowGrain / D), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / (T * H), t = (i / H) % T, h = i % H;
+      const float* xr = xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2);
+      const float* c = cp + b * cos.stride(0) + t * cos.stride(2);
+      const float* s = sp + b * sin.stride(0) + t * sin.stride(2);
+      float* o = op + i * D;
+#pragma omp simd
+      for (int64_t d = 0; d < half; ++d) o[d] = xr[d] * c[d] + (-xr[d + half]) * s[d];
+#pragma omp simd
+      for (int64_t d = half; d < D; ++d) o[d] = xr[d] * c[d] + xr[d - half] * s[d];
+    }
+  });
+  return out.permute({0, 2, 1, 3});
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                           const at::Tensor& sin) {
+  for (const at::Tensor* t : {&q, &k, &cos, &sin})
+    TORCH_CHECK(t->dim() == 4 && t->scalar_type() == at::kFloat && t->stride(3) == 1,
+                "rope_qk takes float32 [B, H, T, D] tensors whose last axis is contiguous");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(1) == 1 && cos.size(0) == q.size(0) && cos.size(2) == q.size(2) &&
+              cos.size(3) == q.size(3) && k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == q.size(3) &&
+              q.size(3) % 2 == 0, "cos/sin must be [B, 1, T, D] for q [B, Hq, T, D] and k [B, Hk, T, D], D even");
+  return {rope_one(q, cos, sin), rope_one(k, cos, sin)};
+}
+
+// Int4Linear's CPU forward in one call (compiler/kernels/int4_cpu.py's int4_cpu_matmul, the same ops
+// in the same order, so the same bits): x in bfloat16, zero-padded to the packed K, torch's INT4
+// kernel, the result back in x's dtype plus the bias.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, int64_t group_size,
+                       const at::Tensor& scales_and_zeros, int64_t padded_in_features,
+                       const c10::optional<at::Tensor>& bias) {
+  const int64_t k = x.size(-1);
+  TORCH_CHECK(k <= padded_in_features, "x's last size exceeds the packed in_features");
+  at::Tensor a = x.reshape({-1, k}).to(at::kBFloat16, /*non_blocking=*/false, /*copy=*/false,
+                                       at::MemoryFormat::Contiguous);
+  if (k != padded_in_features) a = at::constant_pad_nd(a, {0, padded_in_features - k});
+  at::Tensor y = at::_weight_int4pack_mm_for_cpu(a, weight, group_size, scales_and_zeros).to(x.scalar_type());
+  if (bias) y.add_(bias->to(x.scalar_type()));
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = y.size(-1);
+  return y.view(shape);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(qcompile_cpu, m) {
@@ -486,12 +784,23 @@ TORCH_LIBRARY(qcompile_cpu, m) {
   m.def("fp8_fake_quant_rows(Tensor x, Tensor? shift, Tensor? static_scale, ScalarType dtype) -> (Tensor, Tensor)");
   m.def("fp8_linear(Tensor x, Tensor? shift, Tensor? static_scale, ScalarType dtype, Tensor weight, Tensor? bias, "
         "Tensor? packed) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, float weight_offset) -> Tensor");
+  m.def("rope_qk(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("fp8_codes_gemm_available() -> bool", &fp8_codes_gemm_available);
+  m.def("fp8_linear_codes(Tensor x, Tensor? shift, Tensor? static_scale, ScalarType activation_dtype, Tensor packed, "
+        "ScalarType weight_dtype, Tensor weight_scale, int out_features, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor weight, int group_size, Tensor scales_and_zeros, int padded_in_features, "
+        "Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(qcompile_cpu, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("fp8_fake_quant_rows", &fp8_fake_quant_rows);
   m.impl("fp8_linear", &fp8_linear);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_qk", &rope_qk);
+  m.impl("int4_linear", &int4_linear);
+  m.impl("fp8_linear_codes", &fp8_linear_codes);
 }
 
 // A oneDNN-packed weight is an MkldnnCPU tensor, which makes that the dispatch key of the call.

@@ -14,6 +14,7 @@ from numerics import FP8_GEMM_BOUNDS, relative_error, stable_seed
 
 from compiler.errors import ArtifactError
 from compiler.formats.fp8 import Fp8Format, Fp8Linear
+from compiler.kernels.cpu_ext import CODES_SWITCH, fp8_codes_gemm_enabled
 from compiler.kernels.dense_cpu import PACKED_FROM_ROWS, onednn_available
 from compiler.kernels.fp8_gemm import dequant_gemm
 from compiler.quant.fp8 import FP8_DTYPES, quantize, quantize_per_token
@@ -292,10 +293,11 @@ def test_cpu_float_copy_gives_the_reference_output_bit_for_bit(case, dtype, monk
 
 @pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
 @pytest.mark.parametrize("rows", sorted({1, max(PACKED_FROM_ROWS - 1, 1), PACKED_FROM_ROWS, 37}))
-def test_packed_float_copy_matches_the_reference_and_follows_the_buffers(rows):
-    """The engine's packed copy (``pack_cpu_weight``) serves batches of ``PACKED_FROM_ROWS`` rows or
-    more (in ``fp8_linear``'s one call): float32 sums in another order, within 1e-6 of the
-    reference; below that the unpacked copy, bit for bit."""
+def test_packed_float_copy_matches_the_reference_and_follows_the_buffers(rows, monkeypatch):
+    """The engine's packed copy (``pack_cpu_weight``, where the codes' kernel does not run) serves
+    batches of ``PACKED_FROM_ROWS`` rows or more (in ``fp8_linear``'s one call): float32 sums in
+    another order, within 1e-6 of the reference; below that the unpacked copy, bit for bit."""
+    monkeypatch.setenv(CODES_SWITCH, "0")
     torch.manual_seed(rows)
     lin = nn.Linear(576, 192)
     x = torch.randn(rows, 576) * 2
@@ -329,3 +331,46 @@ def test_cpu_float_copy_is_not_saved_follows_the_buffers_and_can_be_turned_off(m
     fresh = fp8(lin)
     fresh(x)
     assert fresh._float_weight.value is None
+
+
+CODES_CASES = [
+    dict(activation_scheme="dynamic"), dict(activation_scheme="dynamic", granularity="per_tensor"),
+    dict(activation_scheme="static"), dict(activation_scheme="dynamic", shift=True),
+    dict(activation_scheme="dynamic", weight_dtype="float8_e5m2", activation_dtype="float8_e5m2"),
+]
+
+
+@pytest.mark.skipif(not fp8_codes_gemm_enabled(), reason="the C++ kernels are not built for AVX512-BF16 here")
+@pytest.mark.parametrize("case", CODES_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("rows", [1, 7, 37])
+def test_a_float32_forward_multiplies_the_codes_and_keeps_no_float_copy(case, rows):
+    """Outside autograd a float32 layer runs ``fp8_linear_codes`` on its codes: within 1e-6 of the
+    dequantize reference (the float32 roundings in another order), no float copy built, the engine's
+    ``pack_cpu_weight`` lays out the codes only, and the layout follows the weight when it changes."""
+    case = dict(case)
+    shift = case.pop("shift", False)
+    torch.manual_seed(stable_seed("codes", rows, sorted(case.items()), shift))
+    lin = nn.Linear(576, 200)  # 200 channels: a last block of 8; 576 inputs: whole pairs
+    x = torch.randn(1, rows, 576) * 3
+    q = fp8(lin, input_scale=float(x.abs().max()) / 448 if case["activation_scheme"] == "static" else None,
+            input_shift=x.reshape(-1, 576).mean(0) if shift else None, **case)
+    assert q.pack_cpu_weight() and q._packed_weight is None
+    for _ in range(2):
+        with torch.inference_mode():
+            got = q(x)
+        want = _reference_forward(q, x)
+        err = relative_error(got, want)
+        print(f"{case} shift={shift} rows={rows}: codes kernel vs reference {err:.2e}")
+        assert err < 1e-6 and q._float_weight.value is None
+        with torch.no_grad():
+            q.weight.copy_(q.weight.view(torch.uint8).flip(0).view(q.weight.dtype))  # in place: laid out again
+
+
+@pytest.mark.skipif(not fp8_codes_gemm_enabled(), reason="the C++ kernels are not built for AVX512-BF16 here")
+def test_the_codes_kernel_can_be_turned_off(monkeypatch):
+    torch.manual_seed(5)
+    q = fp8(nn.Linear(64, 32))
+    monkeypatch.setenv(CODES_SWITCH, "0")
+    with torch.no_grad():
+        q(torch.randn(3, 64))
+    assert q._cpu_codes.value is None and q._float_weight.value is not None

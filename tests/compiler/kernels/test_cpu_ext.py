@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from numerics import relative_error
+from numerics import relative_error, stable_seed
 
+from compiler.kernels.cpu_ext import fp8_codes_gemm_enabled, pack_fp8_codes
 from compiler.kernels.fp8_gemm import dequantize_activations
 from compiler.quant.fp8 import quantize, quantize_per_token
 
@@ -99,3 +100,73 @@ def test_fp8_linear_is_the_python_paths_gemm_bit_for_bit(cpu_ops, bias, rows, pa
     want = torch.ops.mkldnn._linear_pointwise(a, w_packed, b, "none", [], "") if packed else F.linear(a, w, b)
     assert got.shape == (1, rows, 192) and torch.equal(got, want.reshape(1, rows, 192))
     assert relative_error(got, F.linear(a, w, b).reshape(1, rows, 192)) < 1e-6
+
+
+codes_kernel = pytest.mark.skipif(not fp8_codes_gemm_enabled(), reason="the C++ kernels are not built for AVX512-BF16 here")
+
+
+def codes_case(rows, k, n, weight_dtype, seed, per_tensor=False):
+    """x, FP8 weight codes with their scales, shift and bias for a codes-kernel test."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    amax = w.abs().amax() if per_tensor else w.abs().amax(1)
+    w_scale = (amax / torch.finfo(weight_dtype).max).reshape(-1)
+    codes = (w / w_scale.reshape(-1, 1)).to(weight_dtype)
+    return (torch.randn(1, rows, k, generator=g) * 3, codes, w_scale, torch.randn(k, generator=g) * 0.1,
+            torch.randn(n, generator=g))
+
+
+@codes_kernel
+@pytest.mark.parametrize("weight_dtype", FP8)
+@pytest.mark.parametrize("activation_dtype", FP8)
+@pytest.mark.parametrize("rows, k, n", [(1, 576, 192), (6, 7, 17), (13, 1536, 200), (37, 64, 1)])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_fp8_linear_codes_is_the_dequantize_reference_up_to_rounding(cpu_ops, weight_dtype, activation_dtype, rows, k,
+                                                                     n, per_tensor):
+    """The codes kernel against the float32 dequantize reference (``fp8_fake_quant_rows`` times
+    ``dequantize_weight``): the same FP8 codes, so only float32 rounding apart (relative error
+    printed); odd K (a padded pair), N not a multiple of 16 (a masked block), 6+ rows (several tiles)."""
+    import torch.nn.functional as F
+
+    from compiler.kernels.fp8_gemm import dequantize_weight
+
+    x, codes, w_scale, shift, bias = codes_case(rows, k, n, weight_dtype, stable_seed(rows, k, n, per_tensor), per_tensor)
+    got = cpu_ops.fp8_linear_codes(x, shift, None, activation_dtype, pack_fp8_codes(codes), weight_dtype, w_scale, n, bias)
+    a, _ = cpu_ops.fp8_fake_quant_rows(x.reshape(rows, k), shift, None, activation_dtype)
+    want = F.linear(a, dequantize_weight(codes, w_scale), bias).reshape(1, rows, n)
+    error = relative_error(got, want)
+    print(f"codes kernel {rows}x{k}x{n} w={weight_dtype} a={activation_dtype} per_tensor={per_tensor}: {error:.1e}")
+    assert got.shape == (1, rows, n) and error < 1e-6
+
+
+@codes_kernel
+def test_fp8_linear_codes_rows_do_not_depend_on_the_batch(cpu_ops):
+    """A row's output is the same bits alone or among 37 (any tile position): a sequence's tokens
+    do not change with what else the engine batches with them. A static scale too."""
+    x, codes, w_scale, shift, bias = codes_case(37, 576, 200, torch.float8_e4m3fn, 11)
+    packed = pack_fp8_codes(codes)
+    for static in (None, torch.tensor([0.02])):
+        batch = cpu_ops.fp8_linear_codes(x, shift, static, torch.float8_e4m3fn, packed, codes.dtype, w_scale, 200, bias)
+        for row in (0, 5, 6, 36):
+            alone = cpu_ops.fp8_linear_codes(x[:, row : row + 1], shift, static, torch.float8_e4m3fn, packed,
+                                             codes.dtype, w_scale, 200, bias)
+            assert torch.equal(alone[0, 0], batch[0, row])
+
+
+@codes_kernel
+def test_fp8_linear_codes_lets_nan_through_to_its_row_only(cpu_ops):
+    x, codes, w_scale, _, bias = codes_case(3, 64, 32, torch.float8_e4m3fn, 12)
+    x[0, 1, 9] = float("nan")
+    got = cpu_ops.fp8_linear_codes(x, None, None, torch.float8_e4m3fn, pack_fp8_codes(codes), codes.dtype, w_scale, 32, bias)
+    assert torch.isnan(got[0, 1]).all() and torch.isfinite(got[0, [0, 2]]).all()
+
+
+@codes_kernel
+def test_fp8_linear_codes_refuses_a_layout_for_another_shape(cpu_ops):
+    x, codes, w_scale, _, _ = codes_case(2, 64, 32, torch.float8_e4m3fn, 13)
+    with pytest.raises(RuntimeError, match="packed must be pack_fp8_codes"):
+        cpu_ops.fp8_linear_codes(x, None, None, torch.float8_e4m3fn, pack_fp8_codes(codes[:, :62]), codes.dtype,
+                                 w_scale, 32, None)
+    with pytest.raises(RuntimeError, match=r"weight_scale must be float32 \[N\] or \[1\]"):
+        cpu_ops.fp8_linear_codes(x, None, None, torch.float8_e4m3fn, pack_fp8_codes(codes), codes.dtype, w_scale[:5],
+                                 32, None)

@@ -12,6 +12,7 @@ from numerics import relative_error
 from compiler.formats.fp8 import Fp8Format, Fp8Linear
 from compiler.formats.int4 import Int4Linear
 from compiler.io.load import load_checkpoint
+from compiler.kernels.cpu_ext import fp8_codes_gemm_enabled
 from compiler.kernels.int4_cpu import KERNEL, reference_only
 from compiler.model.fusion import fuse_projections
 from serving.engine import Engine
@@ -100,6 +101,22 @@ def test_fused_fp8_model_matches_unfused(tiny_checkpoint, monkeypatch, behaviour
     ids = torch.randint(0, 128, (2, 11))
     err = relative_error(logits_of(fused, ids), logits_of(model, ids))
     assert err < 1e-6, f"relative error {err:.2e}"
+
+
+@pytest.mark.skipif(not fp8_codes_gemm_enabled(), reason="the C++ kernels are not built for AVX512-BF16 here")
+@pytest.mark.parametrize("behaviour", [{"activation_scheme": "static"}, {"input_shift": True}])
+def test_fused_fp8_model_is_the_unfused_bit_for_bit_on_the_codes_kernel(tiny_checkpoint, behaviour):
+    """On the codes kernel each output channel depends on its own codes and its row only, so fusing
+    q/k/v and gate/up changes no bit of the logits. The engine's fused model and the unfused one a
+    test or an evaluation runs must agree exactly: an FP8 layer rounds its input to a code, and a
+    last-bit difference anywhere before it (a fused op computing SwiGLU's exp differently, say) moves
+    a logit by 1e-2 now and then."""
+    model = load_checkpoint(tiny_checkpoint("qwen2")[0]).model
+    fp8_projections(model, **behaviour)
+    fused = copy.deepcopy(model)
+    fuse_projections(fused)
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(logits_of(fused, ids), logits_of(model, ids))
 
 
 def test_fp8_sets_with_different_input_quantization_stay_unfused(tiny_checkpoint):
