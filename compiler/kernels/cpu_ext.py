@@ -12,20 +12,13 @@
   ``fp8_linear(x, shift, static_scale, dtype, weight, bias, packed)``: that, times the dequantized
   float32 weight (or ``packed``, that weight in oneDNN's layout), plus the bias, in one call (a
   float32 model's forward, whose Python path costs more than the rounding at a few tokens).
-- ``rms_norm(x, weight, eps, weight_offset)``, ``rope_qk(q, k, cos, sin)``: the decoder layer's
-  RMSNorm and rotary embedding (``compiler/model/layers.py``) in one op each, float32; RoPE bit for
-  bit, the norm within an ulp of its scale (a sum's order). A decode step runs them about a
+- ``rms_norm(x, weight, eps, weight_offset)``, ``rope_qk(q, k, cos, sin)``, ``silu_mul(gate, up)``:
+  the decoder layer's RMSNorm, rotary embedding and SwiGLU (``compiler/model/layers.py``) in one op
+  each, float32; RoPE bit for bit, SwiGLU bit for bit where torch vectorises the whole row (its own
+  exp, ``Sleef_expf16_u10``; the fused and separate gate/up both take the op, so they agree
+  exactly), the norm within an ulp of its scale (a sum's order). A decode step runs them about a
   hundred times, where each torch op's dispatch costs more than its arithmetic.
-  ``cpu_kernels_for(x)`` says whether a forward on x may use them. (SwiGLU is left to torch: a
-  fused op's ``exp`` differs from torch's in the last bit, and the fused and unfused MLPs of one
-  model must agree, since an FP8 layer after them rounds its input to a code.)
-- ``fp8_linear_codes(x, shift, static_scale, activation_dtype, packed, weight_dtype, weight_scale,
-  out_features, bias)``: ``Fp8Linear``'s forward on its codes (``pack_fp8_codes``' layout), where
-  the CPU has AVX512-BF16 (``fp8_codes_gemm_enabled()``): FP8 values are exact in bfloat16 and
-  their products in float32, so a bfloat16 dot product multiplies the activation codes by the
-  weight codes exactly; the scales are applied to the float32 sums. Within ~1e-7 of the dequantize
-  reference (the order of the float32 roundings), 1 byte read per weight instead of the float
-  copy's 4, and no float copy kept.
+  ``cpu_kernels_for(x)`` says whether a forward on x may use them.
 - ``int4_linear(x, weight, group_size, scales_and_zeros, padded_in_features, bias)``:
   ``int4_cpu_matmul``'s casts, padding, torch's INT4 kernel and bias in one call, the same bits.
 

@@ -3,8 +3,8 @@
 Module names mirror Hugging Face's (``self_attn.q_proj``, ``self_attn.q_norm``, ``mlp.down_proj``)
 so checkpoints load by name. Every projection is a plain ``nn.Linear`` that a pass may swap for a
 quantized module with the same ``forward(x) -> y``; attention hands K/V to an optional cache
-object (see ``kv_cache.py``). Outside autograd, a float32 model on the CPU runs its norms and RoPE
-through the C++ kernels (``compiler/kernels/cpu_ext.py``: one op each instead of up to a dozen);
+object (see ``kv_cache.py``). Outside autograd, a float32 model on the CPU runs its norms, RoPE and
+SwiGLU through the C++ kernels (``compiler/kernels/cpu_ext.py``: one op each instead of up to a dozen);
 the torch code here is what they are tested against and what runs everywhere else.
 """
 from __future__ import annotations
@@ -209,6 +209,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.dim, width, bias=b)
         self.down_proj = nn.Linear(width, config.dim, bias=b)
         self.act = ACTIVATIONS[config.spec.activation]
+        self.swiglu = config.spec.activation == "silu"
         self.gate_up_proj: nn.Module | None = None  # gate and up side by side once the engine fuses them (fusion.py)
 
     def fuse_gate_up(self, gate_up_proj: nn.Module) -> None:
@@ -219,5 +220,7 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(self.act(gate) * up)
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        ops = cpu_kernels_for(gate) if self.swiglu else None
+        return self.down_proj(ops.silu_mul(gate, up) if ops is not None else self.act(gate) * up)

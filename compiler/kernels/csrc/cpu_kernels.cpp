@@ -12,7 +12,7 @@
 // fp8_linear: those activations times the dequantized weight, plus the bias, in one call; given
 //   the weight packed for oneDNN, through oneDNN's linear (what dense_cpu.dense calls) instead.
 //
-// rms_norm, rope_qk: the decoder layer's RMSNorm and rotary embedding, one op each
+// rms_norm, rope_qk, silu_mul: the decoder layer's RMSNorm, rotary embedding and SwiGLU, one op each
 //   (compiler/model/layers.py); int4_linear: Int4Linear's bfloat16 casts, padding, torch's INT4 kernel
 //   and bias in one call. At a decode step's few tokens each torch op's dispatch costs more than its
 //   arithmetic, and a step runs these some two hundred times.
@@ -163,7 +163,27 @@ inline std::pair<const float*, int64_t> head_rows(const T* rows, int64_t count, 
 template <int G>
 void block_scores(const float* q, const float* k, int64_t k_stride, int64_t count, int64_t D, float sm_scale,
                   float* scores, int64_t n, int64_t t0) {
-  for (int64_t t = 0; t < count; ++t, k += k_stride) {
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  // Four keys at a time: G x 4 independent sums in registers instead of one dependent chain per dot.
+  constexpr int T = G <= 6 ? 4 : 2;
+  for (; t + T <= count; t += T, k += T * k_stride) {
+    __m512 acc[G][T];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < T; ++i) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 kv[T];
+      for (int i = 0; i < T; ++i) kv[i] = _mm512_loadu_ps(k + i * k_stride + d);
+      for (int g = 0; g < G; ++g) {
+        const __m512 qv = _mm512_loadu_ps(q + g * D + d);
+        for (int i = 0; i < T; ++i) acc[g][i] = _mm512_fmadd_ps(qv, kv[i], acc[g][i]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < T; ++i) scores[g * n + t0 + t + i] = _mm512_reduce_add_ps(acc[g][i]) * sm_scale;
+  }
+#endif
+  for (; t < count; ++t, k += k_stride) {
     float acc[G] = {};
     for (int g = 0; g < G; ++g) acc[g] = dot(q + g * D, k, D);
     for (int g = 0; g < G; ++g) scores[g * n + t0 + t] = acc[g] * sm_scale;
@@ -758,6 +778,48 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor
   return {rope_one(q, cos, sin), rope_one(k, cos, sin)};
 }
 
+#if defined(__AVX512F__)
+// torch's own exp for 16 floats (libtorch_cpu exports it): what Vectorized<float>::exp() runs on AVX-512.
+extern "C" __m512 Sleef_expf16_u10(__m512);
+#endif
+
+// SwiGLU's silu(gate) * up, [..., I] each (rows of any stride, the last axis contiguous) -> [..., I]:
+// torch's vectorised silu, x / (1 + exp(-x)) with its own exp, then the product, for every element
+// (the tail of a row through masked lanes), so bit for bit F.silu(gate) * up wherever torch
+// vectorises the whole row (I a multiple of 32, as in every model here); the fused gate_up and the
+// separate projections (compiler/model/layers.py's MLP) take this same op, so they agree exactly.
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.sizes() == up.sizes() &&
+              gate.dim() >= 1 && gate.stride(-1) == 1 && up.stride(-1) == 1,
+              "silu_mul takes float32 gate and up of one shape whose last axis is contiguous");
+  const int64_t I = gate.size(-1);
+  const at::Tensor g2 = gate.reshape({-1, I}), u2 = up.reshape({-1, I});  // views where the rows allow
+  const int64_t rows = g2.size(0);
+  at::Tensor out = at::empty(gate.sizes(), gate.options());
+  const float *gp = g2.data_ptr<float>(), *upp = u2.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t gs = rows > 1 ? g2.stride(0) : I, us = rows > 1 ? u2.stride(0) : I;
+  at::parallel_for(0, rows, std::max<int64_t>(1, kRowGrain / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float *g = gp + r * gs, *u = upp + r * us;
+      float* o = op + r * I;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (int64_t i = 0; i < I; i += 16) {
+        const __mmask16 m = I - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (I - i)) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
+        const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(neg)));
+        _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, u + i)));
+      }
+#else
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+#endif
+    }
+  });
+  return out;
+}
+
 // Int4Linear's CPU forward in one call (compiler/kernels/int4_cpu.py's int4_cpu_matmul, the same ops
 // in the same order, so the same bits): x in bfloat16, zero-padded to the packed K, torch's INT4
 // kernel, the result back in x's dtype plus the bias.
@@ -789,6 +851,7 @@ TORCH_LIBRARY(qcompile_cpu, m) {
   m.def("fp8_codes_gemm_available() -> bool", &fp8_codes_gemm_available);
   m.def("fp8_linear_codes(Tensor x, Tensor? shift, Tensor? static_scale, ScalarType activation_dtype, Tensor packed, "
         "ScalarType weight_dtype, Tensor weight_scale, int out_features, Tensor? bias) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor weight, int group_size, Tensor scales_and_zeros, int padded_in_features, "
         "Tensor? bias) -> Tensor");
 }
@@ -799,6 +862,7 @@ TORCH_LIBRARY_IMPL(qcompile_cpu, CPU, m) {
   m.impl("fp8_linear", &fp8_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_qk", &rope_qk);
+  m.impl("silu_mul", &silu_mul);
   m.impl("int4_linear", &int4_linear);
   m.impl("fp8_linear_codes", &fp8_linear_codes);
 }

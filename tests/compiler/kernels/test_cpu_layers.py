@@ -1,5 +1,5 @@
-"""The C++ CPU kernels for the decoder layer's small ops (``rms_norm``, ``rope_qk``, ``int4_linear``:
-``compiler/kernels/cpu_ext.py``) against the torch code they replace, on fresh
+"""The C++ CPU kernels for the decoder layer's small ops (``rms_norm``, ``rope_qk``, ``silu_mul``,
+``int4_linear``: ``compiler/kernels/cpu_ext.py``) against the torch code they replace, on fresh
 random inputs, and the model's layers taking them only where they may."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from numerics import relative_error, stable_seed
 
 from compiler.model.config import ModelConfig
-from compiler.model.layers import Attention, GemmaRMSNorm, RMSNorm, apply_rope, rope_tables
+from compiler.model.layers import MLP, Attention, GemmaRMSNorm, RMSNorm, apply_rope, rope_tables
 
 
 @pytest.mark.parametrize("norm_type", [RMSNorm, GemmaRMSNorm])
@@ -66,9 +66,36 @@ def test_rope_qk_refuses_mismatched_tables(cpu_ops):
         cpu_ops.rope_qk(q.double(), k, cos, sin)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 2 * 1536), (1, 16, 2 * 1536), (5, 2 * 96), (3, 2 * 35)])
+def test_silu_mul_is_torchs_swiglu_bit_for_bit(cpu_ops, shape):
+    """``silu_mul(gate, up)`` = ``F.silu(gate) * up`` on the fused projection's halves (strided rows) and
+    on separate contiguous ones alike: bit for bit torch wherever torch vectorises every element
+    (rows of a multiple of 32; 35 is not, and torch's contiguous tail takes its scalar exp there),
+    and always the same bits for the two layouts, so the fused and separate MLPs agree exactly."""
+    g = torch.Generator().manual_seed(stable_seed("silu", shape))
+    gate_up = torch.randn(shape, generator=g) * 6
+    gate_up[..., 0] = -200.0  # exp(200) overflows: silu must give -0, not NaN
+    gate, up = gate_up.chunk(2, dim=-1)
+    fused, separate = cpu_ops.silu_mul(gate, up), cpu_ops.silu_mul(gate.contiguous(), up.contiguous())
+    want = torch.nn.functional.silu(gate) * up
+    assert fused.shape == want.shape and torch.equal(fused, separate) and torch.isfinite(fused).all()
+    if shape[-1] // 2 % 32 == 0:
+        assert torch.equal(fused, want)
+    error = relative_error(fused, want)
+    print(f"silu_mul {shape}: relative error {error:.1e}")
+    assert error < 1e-6
+
+
+def test_silu_mul_lets_nan_through(cpu_ops):
+    gate, up = torch.randn(2, 64), torch.randn(2, 64)
+    gate[0, 3] = float("nan")
+    got = cpu_ops.silu_mul(gate, up)
+    assert torch.isnan(got[0, 3]) and torch.isfinite(got[0, :3]).all() and torch.isfinite(got[1]).all()
+
+
 @pytest.fixture
 def tiny_attention():
-    """An attention layer with fused q/k/v, random weights, and its RoPE tables for 5 positions."""
+    """An attention layer with fused q/k/v, random weights, and its RoPE tables for 5 positions; an MLP."""
     import compiler.model.layers as layers
 
     config = ModelConfig("LlamaForCausalLM", vocab_size=32, dim=64, n_layers=1, n_heads=4, n_kv_heads=2,
@@ -77,27 +104,29 @@ def tiny_attention():
     attn = Attention(config, 0)
     attn.fuse_qkv(torch.nn.Linear(64, 64 + 2 * 32, bias=False))
     positions = torch.arange(5)[None]
-    return attn, positions, *rope_tables(layers.rope_inv_freq(config), positions, torch.float32)
+    mlp = MLP(config)
+    return attn, mlp, positions, *rope_tables(layers.rope_inv_freq(config), positions, torch.float32)
 
 
 def test_the_layers_run_the_kernels_outside_autograd_only(cpu_ops, tiny_attention, monkeypatch):
     """Under no_grad a float32 layer's forward takes the C++ ops and gives the torch code's result
-    (RoPE bit for bit, the norm within its last bits); with autograd on, another dtype, or the
-    kernels off, it runs the torch code."""
+    (RoPE and SwiGLU bit for bit, the norm within its last bits); with autograd on, another dtype,
+    or the kernels off, it runs the torch code."""
     import compiler.model.layers as layers
     from compiler.kernels.cpu_ext import cpu_kernels_for
 
-    attn, positions, cos, sin = tiny_attention
+    attn, mlp, positions, cos, sin = tiny_attention
     norm = RMSNorm(64, 1e-6)
     x = torch.randn(1, 5, 64)
     calls = []
     with torch.no_grad():
         monkeypatch.setattr(layers, "cpu_kernels_for", lambda t: calls.append(t) or cpu_kernels_for(t))
-        fused = attn(x, cos, sin, positions, None), norm(x)
-        assert len(calls) == 2, "the attention layer and the norm each ask for the C++ kernels once"
+        fused = attn(x, cos, sin, positions, None), mlp(x), norm(x)
+        assert len(calls) == 3, "the attention layer, the MLP and the norm each ask for the C++ kernels once"
         monkeypatch.setattr(layers, "cpu_kernels_for", lambda t: None)
-        plain = attn(x, cos, sin, positions, None), norm.reference(x)
-    assert torch.equal(fused[0], plain[0]) and relative_error(fused[1], plain[1]) < 1e-6
+        plain = attn(x, cos, sin, positions, None), mlp(x), norm.reference(x)
+    assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
+    assert relative_error(fused[2], plain[2]) < 1e-6
     with torch.no_grad():
         assert cpu_kernels_for(x) is not None
         assert cpu_kernels_for(x.double()) is None and cpu_kernels_for(x.bfloat16()) is None
