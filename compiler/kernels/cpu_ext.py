@@ -19,6 +19,13 @@
   exactly), the norm within an ulp of its scale (a sum's order). A decode step runs them about a
   hundred times, where each torch op's dispatch costs more than its arithmetic.
   ``cpu_kernels_for(x)`` says whether a forward on x may use them.
+- ``fp8_linear_codes(x, shift, static_scale, activation_dtype, packed, weight_dtype, weight_scale,
+  out_features, bias)``: ``Fp8Linear``'s forward on its codes (``pack_fp8_codes``' layout), where
+  the CPU has AVX512-BF16 (``fp8_codes_gemm_enabled()``): FP8 values are exact in bfloat16 and
+  their products in float32, so a bfloat16 dot product multiplies the activation codes by the
+  weight codes exactly; the scales are applied to the float32 sums. Within ~2e-7 of the dequantize
+  reference (the order of the float32 roundings), 1 byte read per weight instead of the float
+  copy's 4, and no float copy kept.
 - ``int4_linear(x, weight, group_size, scales_and_zeros, padded_in_features, bias)``:
   ``int4_cpu_matmul``'s casts, padding, torch's INT4 kernel and bias in one call, the same bits.
 
