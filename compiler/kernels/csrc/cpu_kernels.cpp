@@ -417,25 +417,27 @@ inline float row_amax(const float* x, int64_t n) {
   return nan ? std::numeric_limits<float>::quiet_NaN() : amax;
 }
 
+// A row as the FP8 rounding reads it (less the shift, written to `centred`) and its scale: the
+// static one, or scale_from_amax's (amax / max).clamp(min=MIN_SCALE), NaN when the row holds a NaN.
+inline std::pair<const float*, float> centred_row(const float* xr, const float* shift, const float* static_scale,
+                                                  const Fp8Spec& spec, int64_t K, std::vector<float>& centred) {
+  if (shift) {  // x.float() - input_shift, kept so that amax and the quotient read the same values
+#pragma omp simd
+    for (int64_t i = 0; i < K; ++i) centred[i] = xr[i] - shift[i];
+    xr = centred.data();
+  }
+  if (static_scale) return {xr, *static_scale};
+  const float s = row_amax(xr, K) / spec.max;
+  return {xr, s < 1e-12f ? 1e-12f : s};
+}
+
 template <typename F8>
 void fake_quant_rows(const float* x, const float* shift, const float* static_scale, const Fp8Spec& spec, int64_t M,
                      int64_t K, float* out, float* scales) {
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> centred(shift ? K : 0);
     for (int64_t r = begin; r < end; ++r) {
-      const float* xr = x + r * K;
-      if (shift) {  // x.float() - input_shift, kept so that amax and the quotient read the same values
-#pragma omp simd
-        for (int64_t i = 0; i < K; ++i) centred[i] = xr[i] - shift[i];
-        xr = centred.data();
-      }
-      float s;
-      if (static_scale) {
-        s = *static_scale;
-      } else {  // scale_from_amax: (amax / max).clamp(min=MIN_SCALE); a NaN amax gives a NaN scale
-        s = row_amax(xr, K) / spec.max;
-        s = s < 1e-12f ? 1e-12f : s;
-      }
+      const auto [xr, s] = centred_row(x + r * K, shift, static_scale, spec, K, centred);
       scales[r] = s;
       float* o = out + r * K;
       int64_t i = 0;
@@ -564,19 +566,7 @@ void quantize_rows_bf16(const float* x, const float* shift, const float* static_
   at::parallel_for(0, M, std::max<int64_t>(1, kRowGrain / K), [&](int64_t begin, int64_t end) {
     std::vector<float> centred(shift ? K : 0);
     for (int64_t r = begin; r < end; ++r) {
-      const float* xr = x + r * K;
-      if (shift) {
-#pragma omp simd
-        for (int64_t i = 0; i < K; ++i) centred[i] = xr[i] - shift[i];
-        xr = centred.data();
-      }
-      float s;
-      if (static_scale) {
-        s = *static_scale;
-      } else {
-        s = row_amax(xr, K) / spec.max;
-        s = s < 1e-12f ? 1e-12f : s;
-      }
+      const auto [xr, s] = centred_row(x + r * K, shift, static_scale, spec, K, centred);
       scales[r] = s;
       uint16_t* q = codes + r * K_even;
       const __m512 sv = _mm512_set1_ps(s);
