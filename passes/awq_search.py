@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from compiler.quant.int4 import QMAX, SYMMETRIC_ZERO, pad_columns
+from compiler.quant.int4 import QMAX, SYMMETRIC_ZERO, pad_columns, storage_scale
 
 
 def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
@@ -34,10 +34,10 @@ def fast_fake_quantize(w: torch.Tensor, group_size: int, zero_point: bool, clip_
     if zero_point:
         wmin, wmax = torch.aminmax(x, dim=-1, keepdim=True)
         wmax, wmin = wmax.clamp(min=0) * clip_ratio, wmin.clamp(max=0) * clip_ratio
-        scale = ((wmax - wmin) / QMAX).clamp(min=1e-8)
+        scale = storage_scale((wmax - wmin) / QMAX, torch.float32)
         zero = (-wmin / scale).round().clamp(0, QMAX)
     else:
-        scale = (x.abs().amax(-1, keepdim=True) * clip_ratio / (SYMMETRIC_ZERO - 1)).clamp(min=1e-8)
+        scale = storage_scale(x.abs().amax(-1, keepdim=True) * clip_ratio / (SYMMETRIC_ZERO - 1), torch.float32)
         zero = torch.full_like(scale, SYMMETRIC_ZERO)
     q = (x / scale).round_().add_(zero).clamp_(0, QMAX)
     return q.sub_(zero).mul_(scale).view(n, k)

@@ -82,8 +82,7 @@ def gptq_int4(linear: torch.nn.Linear, hessian: torch.Tensor, group_size: int, z
     w = pad_columns(linear.weight.detach().float(), group_size)
     pad = w.shape[1] - hessian.shape[0]
     h = F.pad(hessian, (0, pad, 0, pad))  # padded columns never see an input: GPTQ treats them as dead
-    scale, zero = choose_qparams(w, group_size, zero_point, clip_ratio)
-    scale = scale.to(linear.weight.dtype)  # round onto the grid of the stored scales
+    scale, zero = choose_qparams(w, group_size, zero_point, clip_ratio, dtype=linear.weight.dtype)
     scale_f, zero_f = scale.float(), zero.float()
 
     def round_columns(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from compiler.formats.int4 import Int4Linear
 from compiler.model.transformer import Transformer
-from compiler.quant.int4 import QMAX, pad_columns, quantize
+from compiler.quant.int4 import QMAX, pad_columns, quantize, storage_scale
 from passes.distill.errors import DistillConfigError
 
 
@@ -57,9 +57,15 @@ class FakeQuantInt4Linear(nn.Module):
         groups = w.view(w.shape[0], -1, self.group_size)
         return (round_ste(groups / scale) + zero).clamp(0, QMAX)
 
+    def _stored_scales(self) -> torch.Tensor:
+        """The scales as ``to_int4`` stores them (``storage_scale``), the gradient straight through
+        the rounding, so that training sees the layer it will write."""
+        scales = self.scales.float()
+        return scales + (storage_scale(scales, self.storage_dtype).float() - scales).detach()
+
     def fake_quantized_weight(self) -> torch.Tensor:
         """The weight the INT4 model would hold, differentiable by STE: [N, K]."""
-        scale = self.scales.clamp(min=1e-8)[..., None]
+        scale = self._stored_scales()[..., None]
         zero = round_ste(self.zeros).clamp(0, QMAX)[..., None]
         q = self._codes(scale, zero) if self.codes is None else self.codes.float()
         return ((q - zero) * scale).flatten(1)[:, : self.in_features]
@@ -70,7 +76,7 @@ class FakeQuantInt4Linear(nn.Module):
         Chen et al. 2024): the gradient reaches each scale through every code of its group, and the
         few parameters cannot overfit as the weights do. Weight and zero points stop training."""
         zero = self.zeros.round().clamp(0, QMAX)[..., None]
-        self.codes = self._codes(self.scales.clamp(min=1e-8)[..., None], zero).to(torch.uint8)
+        self.codes = self._codes(self._stored_scales()[..., None], zero).to(torch.uint8)
         scales = self.scales.detach().clone()
         del self.scales
         self.scales = nn.Parameter(scales)
@@ -85,7 +91,7 @@ class FakeQuantInt4Linear(nn.Module):
     @torch.no_grad()
     def to_int4(self) -> Int4Linear:
         """Re-pack into the INT4 format the student came from."""
-        scale = self.scales.clamp(min=1e-8).to(self.storage_dtype)
+        scale = storage_scale(self.scales, self.storage_dtype)
         zero = self.zeros.round().clamp(0, QMAX).to(torch.uint8)
         if self.codes is None:
             q = quantize(pad_columns(self.weight.to(self.storage_dtype), self.group_size), scale, zero, self.group_size)
