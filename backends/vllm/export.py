@@ -4,12 +4,16 @@
       config.json                       the Hugging Face model config + ``quantization_config``
       model.safetensors                 (or model-0000i-of-0000n.safetensors + model.safetensors.index.json)
       tokenizer files                   as the artifact's tokenizer saves them
-      qcompile_export.json              where it came from: the artifact's manifest hash, per-layer schemes
+      qcompile_export.json              where it came from: the artifact's manifest hash, the checkpoint's
+                                        dtype and notes, per-layer schemes
 
 Tensor names are the Hugging Face ones (``model.layers.0.self_attn.q_proj.weight_packed``).
 The quantized tensors are the artifact's own codes and scales, moved into compressed-tensors'
 layout, never re-quantized (``backends/vllm/tensors.py``); the schemes are in
 ``backends/vllm/schemes.py``. Everything vLLM could not run is refused before anything is written.
+A float32 model with INT4 layers is written in float16, the dtype vLLM's INT4 kernels run in: its
+INT4 scales are float16 values already (``compiler.quant.int4.storage_scale``), so only the float
+tensors are rounded, and ``qcompile_export.json``'s notes (which ``qcompile lower`` prints) say by how much.
 
 Every entry a pass declared in the manifest is read (``LOWERED_ENTRIES``; any other is refused):
 the FP8 KV cache becomes ``kv_cache_scheme`` and per-layer ``k_scale``/``v_scale``; of the serving
@@ -28,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from backends.vllm.schemes import FUSED_SETS, MODEL_TYPES, ct_scheme, kv_cache_scheme
+from backends.vllm.schemes import FUSED_SETS, MODEL_TYPES, checkpoint_dtype, ct_scheme, kv_cache_scheme
 from backends.vllm.tensors import fp8_tensors, int4_tensors, kv_scale_tensors
 from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
 from compiler.errors import ConfigError
@@ -176,8 +180,37 @@ def quantization_config(model: torch.nn.Module, modules: dict[str, dict], kv_cac
             "global_compression_ratio": None, "sparsity_config": {}, "transform_config": {}}
 
 
-def checkpoint_tensors(model: torch.nn.Module, manifest: dict) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint under its Hugging Face name (tied lm_head left out, as HF does)."""
+def _check_half_scales(quantized: dict[str, torch.nn.Module], where: str) -> None:
+    """A float32 model's INT4 layers go into a float16 checkpoint with their scales unchanged: refuse
+    scales that float16 does not hold exactly (artifacts written before scales were kept so)."""
+    for name, module in quantized.items():
+        scales = dict(module.named_buffers()).get("scales")
+        if scales is not None and not torch.equal(scales.to(torch.float16).to(scales.dtype), scales):
+            raise ConfigError(f"{where}: {name}'s INT4 scales are finer than float16, and vLLM runs INT4 layers in "
+                              "float16 (this artifact predates qcompile's float16 scales); compile it again")
+
+
+def half_rounding(model: torch.nn.Module, where: str) -> float:
+    """What writing a float32 model's float tensors (all but its INT4 layers' codes and scales) in float16
+    changes: the largest change relative to its tensor's largest magnitude. Refuses values float16 cannot hold."""
+    quantized = quantized_modules(model)
+    worst, limit = 0.0, torch.finfo(torch.float16).max
+    for name, tensor in model.state_dict().items():
+        module, _, leaf = name.rpartition(".")
+        if not tensor.is_floating_point() or (module in quantized and leaf != "bias"):
+            continue
+        top = float(tensor.abs().max()) if tensor.numel() else 0.0
+        if top > limit:
+            raise ConfigError(f"{where}: {name} holds {top:.3g}, beyond float16's range, and vLLM runs INT4 layers in "
+                              "float16; compile it in bfloat16 (set [model] dtype)")
+        if top:
+            worst = max(worst, float((tensor.to(torch.float16).float() - tensor.float()).abs().max()) / top)
+    return worst
+
+
+def checkpoint_tensors(model: torch.nn.Module, manifest: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint under its Hugging Face name (tied lm_head left out, as HF does),
+    the float ones in ``dtype``; the FP8 formats' float32 scales stay float32 (``backends/vllm/tensors.py``)."""
     quantized = quantized_modules(model)
     converters = {"int4": int4_tensors, "fp8": fp8_tensors}
     out: dict[str, torch.Tensor] = {}
@@ -185,11 +218,12 @@ def checkpoint_tensors(model: torch.nn.Module, manifest: dict) -> dict[str, torc
         module, _, leaf = name.rpartition(".")
         if module in quantized or (name == "lm_head.weight" and model.config.tie_embeddings):
             continue
-        out[hf_name(module) + "." + leaf] = tensor.contiguous()
+        out[hf_name(module) + "." + leaf] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
     for name, module in quantized.items():
         fmt = manifest["modules"][name]
         for leaf, tensor in converters[fmt["format"]](module, fmt).items():
-            out[f"{hf_name(name)}.{leaf}"] = tensor.contiguous()
+            cast = (fmt["format"] == "int4" and tensor.is_floating_point()) or leaf == "bias"
+            out[f"{hf_name(name)}.{leaf}"] = (tensor.to(dtype) if cast else tensor).contiguous()
     if manifest.get("kv_cache"):
         out |= {hf_name(k): v for k, v in kv_scale_tensors(manifest["kv_cache"]).items()}
     return out
@@ -235,14 +269,21 @@ def export_vllm(artifact: str | Path, out: str | Path, opts: VllmLowerOptions = 
     if loaded.tokenizer is None:
         raise ConfigError(f"{artifact}: the artifact holds no tokenizer, and vLLM needs one; compile from a "
                           "checkpoint that ships its tokenizer")
-    model = loaded.model
-    _check_static_input_scales(model, manifest.get("modules", {}), str(artifact))
-    config = hf_config(model.config, manifest["dtype"])
-    if manifest.get("modules") or manifest.get("kv_cache"):
-        config["quantization_config"] = quantization_config(model, manifest.get("modules", {}), manifest.get("kv_cache"))
-    tensors = checkpoint_tensors(model, manifest)
+    model, modules = loaded.model, manifest.get("modules", {})
+    _check_static_input_scales(model, modules, str(artifact))
+    dtype, notes = checkpoint_dtype(manifest["dtype"], modules), []
+    if dtype != manifest["dtype"]:
+        _check_half_scales(quantized_modules(model), str(artifact))
+        notes.append(f"written in {dtype}, as vLLM runs INT4 layers: the INT4 codes, scales and zero points are the "
+                     f"artifact's own; its other {manifest['dtype']} tensors are rounded, by at most "
+                     f"{half_rounding(model, str(artifact)):.1e} of each tensor's largest value")
+    config = hf_config(model.config, dtype)
+    if modules or manifest.get("kv_cache"):
+        config["quantization_config"] = quantization_config(model, modules, manifest.get("kv_cache"))
+    tensors = checkpoint_tensors(model, manifest, getattr(torch, dtype))
     record = {"artifact": str(artifact.resolve()), "manifest_sha256": sha256_files([artifact / MANIFEST]),
-              "schemes": {hf_name(n): ct_scheme(f)["format"] for n, f in manifest.get("modules", {}).items()},
+              "dtype": dtype, "notes": notes,
+              "schemes": {hf_name(n): ct_scheme(f)["format"] for n, f in modules.items()},
               "kv_cache": manifest.get("kv_cache"), "serving": manifest.get("serving")}
 
     def write(tmp: Path):

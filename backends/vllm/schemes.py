@@ -213,6 +213,15 @@ def check_kv_dtype(kv_dtype: str, dtype: str, kv_cache: dict | None) -> str | No
             "pass's kv_dtype = \"auto\"")
 
 
+def checkpoint_dtype(dtype: str, formats: dict[str, dict]) -> str:
+    """The dtype of the checkpoint written for a model of ``dtype``: float16 for INT4 layers in a float32
+    model (vLLM's INT4 kernels, CPUWNA16 on CPUs and Marlin and the others on GPUs, take half-precision
+    activations; the artifact's INT4 scales are float16 values, compiler/quant/int4.py), else ``dtype``."""
+    if dtype == "float32" and any(f.get("format") == "int4" for f in formats.values()):
+        return "float16"
+    return dtype
+
+
 def check_model(config: ModelConfig, dtype: str) -> str | None:
     """None when the export writes the architecture and vLLM runs it in ``dtype``, else why not."""
     arch = config.architecture
@@ -224,8 +233,8 @@ def check_model(config: ModelConfig, dtype: str) -> str | None:
     if arch not in MODEL_TYPES:
         return f"{arch} (the export writes {', '.join(MODEL_TYPES)}); serve it with the engine (qcompile generate)"
     if arch == "Gemma3ForCausalLM" and dtype == "float16":  # vLLM's own check (its gemma3_text config)
-        return ("Gemma 3 in float16: vLLM refuses Gemma 3 in float16 (numerically unstable, it says); compile it in "
-                "float32 or bfloat16 (set [model] dtype)")
+        return ("Gemma 3 in float16 (the checkpoint's dtype; a float32 model's INT4 layers are written in float16): "
+                "vLLM refuses Gemma 3 in float16 (numerically unstable, it says); compile it in bfloat16 (set [model] dtype)")
     return None
 
 
@@ -255,12 +264,9 @@ def check_dense_layers(config: ModelConfig, formats: dict[str, dict]) -> str | N
 
 def check_plan(plan: DeploymentPlan) -> str | None:
     """What vLLM cannot run in a ``DeploymentPlan`` as a whole (a pipeline's before it runs, or an artifact's)."""
-    config = plan.config
-    if config is not None and (why := check_model(config, plan.dtype)):
+    config, dtype = plan.config, checkpoint_dtype(plan.dtype, plan.formats)
+    if config is not None and (why := check_model(config, dtype)):
         return why
-    if plan.dtype == "float32" and any(f.get("format") == "int4" for f in plan.formats.values()):
-        return ("int4 layers in a float32 model: vLLM's INT4 kernels (CPUWNA16 on CPUs, Marlin and the others on "
-                "GPUs) take float16 or bfloat16 activations only; set [model] dtype = \"float16\" (or \"bfloat16\")")
     if "lm_head" in plan.formats:
         return "a quantized lm_head (qcompile exports lm_head in the model dtype); keep lm_head in modules_to_not_convert"
     kv, kv_dtype = plan.kv_cache, (plan.serving or {}).get("kv_dtype", "auto")
@@ -272,7 +278,7 @@ def check_plan(plan: DeploymentPlan) -> str | None:
     experts = expert_linears(config) if config is not None else None
     return (check_fused(plan.formats) or check_experts(plan.formats, experts)
             or (check_dense_layers(config, plan.formats) if config is not None else None) or check_kv_cache(kv)
-            or check_kv_dtype(kv_dtype, plan.dtype, kv))
+            or check_kv_dtype(kv_dtype, dtype, kv))
 
 
 def kv_cache_scheme(entry: dict | None) -> dict | None:

@@ -9,6 +9,7 @@ an error naming the target and the flags it does take, never silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import typer
 from rich.table import Table
 
 from backends.onnx.bundle import BUNDLE_FILE, OnnxBundleInfo
+from backends.vllm.export import EXPORT_FILE
 from compiler.deploy.lowering import LOWERINGS, get_lowering, lower
 from compiler.errors import ConfigError
 from qcompile import load_plugins
@@ -63,6 +65,9 @@ def lower_cmd(
     path = lower(artifact, target, output, options, force)
     if (Path(path) / BUNDLE_FILE).exists():
         _print_bundle(out, OnnxBundleInfo.read(path))
+    if (Path(path) / EXPORT_FILE).exists():  # a vLLM checkpoint
+        for note in json.loads((Path(path) / EXPORT_FILE).read_text()).get("notes", []):
+            out.print(f"note: {note}")
     out.print(f"wrote [bold]{path}[/bold] (target {target})")
 
 

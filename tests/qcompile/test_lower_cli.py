@@ -27,6 +27,15 @@ def test_lower_onnx(tmp_path, monkeypatch, capsys):
     assert info.target == "onnx" and info.max_len == 256  # min(1024, the tiny model's 256)
 
 
+def test_lower_vllm_prints_what_writing_a_float32_int4_model_in_float16_rounds(tmp_path, monkeypatch, capsys):
+    from conftest import make_byte_tokenizer
+
+    tokenizer = make_byte_tokenizer()
+    artifact = make_artifact(tmp_path, "llama", 32, tokenizer=tokenizer, vocab_size=len(tokenizer))
+    code, out = run_cli(monkeypatch, capsys, "lower", artifact, "--target", "vllm", "-o", tmp_path / "v")
+    assert code == 0 and "note: written in float16, as vLLM runs INT4 layers" in " ".join(out.split())  # rich wraps
+
+
 @pytest.mark.parametrize("args,match", [(("--target", "onx"), "did you mean 'onnx'"),
                                         (("--target", "ascend"), "needs --soc"),
                                         (("--target", "onnx", "--max-len", "4096"), "max_seq_len")])

@@ -126,8 +126,8 @@ def test_options_that_do_not_fit_are_refused(int4, tmp_path, options, words):
 
 
 def test_what_vllm_cannot_run_is_refused_before_writing(checkpoint, tmp_path):
-    artifact = _compile(checkpoint, tmp_path / "artifact", AWQ)  # float32: vLLM's INT4 kernels take none
-    with pytest.raises(ConfigError, match='dtype = "float16"'):
+    artifact = _compile(checkpoint, tmp_path / "artifact", [{**AWQ[0], "modules_to_not_convert": []}], "float16")
+    with pytest.raises(ConfigError, match="keep lm_head in modules_to_not_convert"):
         lower(artifact, "triton", tmp_path / "repo", VLLM)
     assert not (tmp_path / "repo" / "m").exists()
 

@@ -82,6 +82,38 @@ def test_int4_checkpoint_holds_the_artifacts_codes(int4):
     assert record["schemes"]["model.layers.0.mlp.down_proj"] == "pack-quantized" and record["files"] == ["model.safetensors"]
 
 
+def test_float32_int4_artifact_is_written_in_float16_with_its_own_scales(checkpoint, tmp_path):
+    """vLLM runs INT4 layers in float16: a float32 artifact's scales are float16 values already, so they
+    carry over unchanged; its other tensors are rounded, and the note says by how much."""
+    artifact = compile_for(checkpoint, {**INT4, "model": {"dtype": "float32"}}, tmp_path / "artifact")
+    out = lower(artifact, "vllm", tmp_path / "vllm")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
+    (note,) = json.loads((out / EXPORT_FILE).read_text())["notes"]
+    assert note.startswith("written in float16") and float(note.rsplit("at most ", 1)[1].split()[0]) <= 2.0 ** -11
+    tensors, model = read_tensors(out), load_artifact(artifact).model
+    for name, module in quantized_modules(model).items():
+        g, scale = module.group_size, tensors[f"model.{name}.weight_scale"]
+        assert scale.dtype == torch.float16 and torch.equal(scale.float(), module.scales)
+        packed, zp = tensors[f"model.{name}.weight_packed"], tensors[f"model.{name}.weight_zero_point"]
+        codes = unpack_rows(packed) - unpack_rows(zp.t().contiguous())[:, :module.out_features].t().repeat_interleave(g, 1)
+        # compressed-tensors' dequantization, in float32: the artifact's weight bit for bit
+        assert torch.equal(codes.float() * scale.float().repeat_interleave(g, 1), module.dequantized_weight())
+    state = model.state_dict()
+    for key in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        assert tensors[key].dtype == torch.float16 and torch.equal(tensors[key], state[key.removeprefix("model.")].half())
+
+
+def test_int4_scales_finer_than_float16_are_refused(checkpoint, tmp_path, monkeypatch):
+    """An artifact from before scales were kept to float16's precision: vLLM would round them, so it is refused."""
+    import compiler.quant.int4 as int4
+
+    monkeypatch.setattr(int4, "storage_scale", lambda scale, dtype: scale.float().clamp(min=1e-8).to(dtype))
+    artifact = compile_for(checkpoint, {**INT4, "model": {"dtype": "float32"}}, tmp_path / "artifact")
+    with pytest.raises(ConfigError, match="INT4 scales are finer than float16.*compile it again") as e:
+        lower(artifact, "vllm", tmp_path / "vllm")
+    assert "\n" not in str(e.value) and not (tmp_path / "vllm").exists()
+
+
 def test_hf_config_round_trips_and_tokenizer_is_written(int4):
     artifact, out = int4
     config = json.loads((out / "config.json").read_text())
@@ -163,7 +195,6 @@ def test_shards_and_index(tmp_path):
 REFUSED = [
     ({"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 64, "group_size_policy": "pad"}]},
      'group_size_policy = "fallback"'),
-    ({"passes": [{"name": "awq", "group_size": 64}]}, 'dtype = "float16"'),
     ({"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 64, "modules_to_not_convert": []}]},
      "lm_head"),
     ({"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 64,
@@ -205,7 +236,6 @@ def test_pipeline_for_vllm_is_refused_before_any_work(checkpoint, tmp_path, monk
 
 @pytest.mark.parametrize("pipeline, words", [
     ({"passes": [{"name": "fp8", "max_layer_error": 10.0}]}, "input_shift = false"),
-    ({"passes": [{"name": "awq", "group_size": 64}]}, 'dtype = "float16"'),
     ({"passes": [{"name": "fp8", "input_shift": False, "kv_cache_dtype": "float8_e4m3fn", "max_layer_error": 10.0}]},
      "per_head"),
     ({"passes": [{"name": "paged_kv", "kv_dtype": "bfloat16"}]}, 'set the paged_kv pass\'s kv_dtype = "auto"'),
@@ -327,6 +357,8 @@ INT4_SYMMETRIC = {"model": {"dtype": "float16"}, "passes": [{"name": "awq", "gro
 ARCH_REFUSED = {
     "deepseek": ("deepseek-v3", {}, {"passes": []}, "DeepseekV3ForCausalLM: vLLM 0.32's CPU build runs MLA only at"),
     "gemma3-float16": ("gemma3", {}, {"model": {"dtype": "float16"}, "passes": []}, "vLLM refuses Gemma 3 in float16"),
+    "gemma3-float32-int4": ("gemma3", {}, {"passes": [{"name": "awq", "group_size": 32}]},
+                            "INT4 layers are written in float16): vLLM refuses Gemma 3 in float16"),
     "qwen3-moe-dense-layer": ("qwen3-moe", {"moe_intermediate_size": 64, "mlp_only_layers": [1]}, INT4_SYMMETRIC,
                               "layers.1.mlp.gate_proj: a quantized MLP in a Qwen3-MoE dense layer"),
     "experts-left-float": ("qwen3-moe", {"moe_intermediate_size": 64},

@@ -32,8 +32,16 @@ from compiler.io.artifact import load_artifact
 
 pytestmark = pytest.mark.integration
 
+# llama-int4-f32: a float32 artifact with INT4 layers, which the export writes in float16
 MODELS = {"llama-int4": ("llama", INT4), "qwen2-int4": ("qwen2", INT4), "llama-fp8": ("llama", FP8),
-          "qwen2-fp8": ("qwen2", FP8), "llama-fp8-kv": ("llama", FP8_KV)}
+          "qwen2-fp8": ("qwen2", FP8), "llama-fp8-kv": ("llama", FP8_KV),
+          "llama-int4-f32": ("llama", {**INT4, "model": {"dtype": "float32"}})}
+
+
+def checkpoint_dtype(checkpoint: Path) -> str:
+    return json.loads((checkpoint / "config.json").read_text())["dtype"]
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """Every model of MODELS as (artifact, vLLM checkpoint)."""
@@ -48,12 +56,12 @@ def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["llama-int4", "qwen2-int4", "llama-fp8", "qwen2-fp8"])
+@pytest.mark.parametrize("name", ["llama-int4", "qwen2-int4", "llama-fp8", "qwen2-fp8", "llama-int4-f32"])
 def test_vllm_runs_the_export_as_the_engine_does(exported, name, tmp_path):
     artifact, checkpoint = exported[name]
     server = start_server(checkpoint, tmp_path / "vllm.log")
     try:
-        result = compare_with_engine(artifact, server.url, server.model)
+        result = compare_with_engine(artifact, server.url, server.model, checkpoint_dtype(checkpoint))
         log = (tmp_path / "vllm.log").read_text(errors="replace")
         kernel = "CPUWNA16LinearKernel" if "int4" in name else "CompressedTensorsW8A8Fp8"
         assert kernel in log, f"vLLM did not run its {kernel}"
@@ -71,7 +79,8 @@ def test_compressed_tensors_decompressor_gives_the_artifacts_weights(exported, t
         from safetensors.torch import load_file
 
         decompressed = load_file(str(out))
-        modules = quantized_modules(load_artifact(artifact).model)
+        model = load_artifact(artifact).model.to(getattr(torch, checkpoint_dtype(checkpoint)))  # as vLLM takes it
+        modules = quantized_modules(model)
         assert set(decompressed) == {f"model.{n}" for n in modules}
         for n, module in modules.items():
             assert torch.equal(decompressed[f"model.{n}"], module.dequantized_weight()), (name, n)  # bit for bit

@@ -17,6 +17,7 @@ from compiler.formats.fp8_kv import Fp8KVQuant
 from compiler.io.artifact import load_artifact
 from compiler.quant.fp8 import fp8_max, scale_from_amax
 from serving.adapters.engine import EngineAdapter
+from serving.engine import Engine
 from serving.adapters.openai import OpenAIAdapter
 from serving.types import SamplingParams
 
@@ -186,16 +187,26 @@ def _greedy_decode(model, prompt: list[int]) -> list[int]:
     return ids
 
 
-def compare_with_engine(artifact: Path, url: str, model_name: str) -> dict:
-    """vLLM's greedy tokens against qcompile's engine (with an FP8 KV cache: against the artifact's greedy
-    decode under vLLM's CPU roundings), its prompt log-probabilities against the artifact's math in float32."""
+def _as_served(artifact: Path, dtype: str | None):
+    """The artifact loaded, its model in ``dtype`` (the checkpoint's) when given: how vLLM takes it."""
     loaded = load_artifact(artifact)
-    dtype = loaded.manifest["dtype"]
+    if dtype is not None:
+        loaded.model.to(getattr(torch, dtype))
+    return loaded
+
+
+def compare_with_engine(artifact: Path, url: str, model_name: str, dtype: str | None = None) -> dict:
+    """vLLM's greedy tokens against qcompile's engine (with an FP8 KV cache: against the artifact's greedy
+    decode under vLLM's CPU roundings), its prompt log-probabilities against the artifact's math in float32.
+    ``dtype``: the checkpoint's, where it is not the artifact's (a float32 artifact with INT4 layers is
+    written in float16); the artifact is then taken in that dtype, as vLLM runs it."""
+    loaded = _as_served(artifact, dtype)
+    dtype = loaded.manifest["dtype"] if dtype is None else dtype
     reference = vllm_cpu_reference(loaded.model)  # the artifact's math in float32, rounded where vLLM's CPU kernels round
     if loaded.manifest.get("kv_cache"):
         expected, judge = [_greedy_decode(reference, p) for p in PROMPTS], reference
     else:
-        expected, judge = _tokens(EngineAdapter.from_artifact(artifact)), loaded.model
+        expected, judge = _tokens(EngineAdapter(Engine.from_loaded(_as_served(artifact, dtype)))), loaded.model
     served = _tokens(OpenAIAdapter(url, model_name))
     problems = [why for p, a, b in zip(PROMPTS, expected, served) if (why := _first_disagreement(judge, p, a, b, TIE[dtype]))]
     assert not problems, problems
