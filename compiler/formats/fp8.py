@@ -382,14 +382,15 @@ class Fp8Linear(QuantizedLinear):
                 and self.weight.is_cpu and fp8_codes_gemm_enabled())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._one_cpu_call(x) and self._takes_codes():  # 1 byte per weight read, where the copy reads 4
-            return cpu_kernels().fp8_linear_codes(x, self.input_shift, self.input_scale, self.format.activation_torch_dtype,
-                                                  self.cpu_codes(), self.weight.dtype, self.weight_scale,
-                                                  self.out_features, self.bias)
-        if self._one_cpu_call(x) and float_weight_enabled():  # at a few tokens the Python path costs more than its arithmetic
-            takes_packed = self._packed_weight is not None and x.numel() >= PACKED_FROM_ROWS * self.in_features
-            return cpu_kernels().fp8_linear(x, self.input_shift, self.input_scale, self.format.activation_torch_dtype,
-                                            self.float_weight(), self.bias, self._packed() if takes_packed else None)
+        if self._one_cpu_call(x):
+            if self._takes_codes():  # 1 byte per weight read, where the copy reads 4
+                return cpu_kernels().fp8_linear_codes(x, self.input_shift, self.input_scale,
+                                                      self.format.activation_torch_dtype, self.cpu_codes(),
+                                                      self.weight.dtype, self.weight_scale, self.out_features, self.bias)
+            if float_weight_enabled():  # at a few tokens the Python path costs more than its arithmetic
+                takes_packed = self._packed_weight is not None and x.numel() >= PACKED_FROM_ROWS * self.in_features
+                return cpu_kernels().fp8_linear(x, self.input_shift, self.input_scale, self.format.activation_torch_dtype,
+                                                self.float_weight(), self.bias, self._packed() if takes_packed else None)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         w = self.float_weight() if x.is_cpu and float_weight_enabled() else None
