@@ -1,7 +1,8 @@
 """Slow: AWQ INT4 g128-fallback on the real SmolLM2-135M at 32 calibration samples (the main job's
 pipeline, examples/awq_g128.toml), whose pydoc perplexity (16 windows) must stay within a small band
 of the recorded figure. A quality regression in the pass moves it far beyond the band: RTN at the
-same group sizes is 15.106, plain AWQ rounding at 32 samples 12.967, float 11.327.
+same group sizes is 15.142, plain AWQ rounding at
+32 samples 12.967 (float32 scales), float 11.327.
 
 RECORDED_PPL was measured twice, bit for bit the same (12.198185761895706), on this 2-core development
 machine (2026-12-05 20:40 and 20:55 UTC, with INT4 scales kept to float16's precision; 12.2947 before

@@ -17,8 +17,8 @@ from compiler.formats.fp8_kv import Fp8KVQuant
 from compiler.io.artifact import load_artifact
 from compiler.quant.fp8 import fp8_max, scale_from_amax
 from serving.adapters.engine import EngineAdapter
-from serving.engine import Engine
 from serving.adapters.openai import OpenAIAdapter
+from serving.engine import Engine
 from serving.types import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[3]
