@@ -36,6 +36,7 @@ from backends.vllm.schemes import FUSED_SETS, MODEL_TYPES, checkpoint_dtype, ct_
 from backends.vllm.tensors import fp8_tensors, int4_tensors, kv_scale_tensors
 from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
 from compiler.errors import ConfigError
+from compiler.formats.int4 import Int4Linear
 from compiler.options import option
 from compiler.formats.qlinear import linear_modules, quantized_modules
 from compiler.io.artifact import MANIFEST, check_lowered_entries, load_artifact, read_manifest
@@ -43,6 +44,7 @@ from compiler.io.atomic import atomic_directory_write
 from compiler.io.types import sha256_files
 from compiler.model.architectures import FULL, SLIDING
 from compiler.model.config import ModelConfig
+from compiler.quant.int4 import storage_scale
 
 # The compressed-tensors release whose loader this layout was checked against (its decompressor
 # in tests/backends/vllm, and vLLM 0.32's CPU kernels); compressed-tensors writes its own version here.
@@ -184,8 +186,7 @@ def _check_half_scales(quantized: dict[str, torch.nn.Module], where: str) -> Non
     """A float32 model's INT4 layers go into a float16 checkpoint with their scales unchanged: refuse
     scales that float16 does not hold exactly (artifacts written before scales were kept so)."""
     for name, module in quantized.items():
-        scales = dict(module.named_buffers()).get("scales")
-        if scales is not None and not torch.equal(scales.to(torch.float16).to(scales.dtype), scales):
+        if isinstance(module, Int4Linear) and not torch.equal(storage_scale(module.scales, torch.float32), module.scales):
             raise ConfigError(f"{where}: {name}'s INT4 scales are finer than float16, and vLLM runs INT4 layers in "
                               "float16 (this artifact predates qcompile's float16 scales); compile it again")
 
