@@ -45,7 +45,7 @@ class Engine:
         self.model = model.to(self.device).eval()
         # {"fused": [attention / MLP modules], why-not: [modules]}: fusion changes the model in place
         self.fusion = fuse_projections(self.model) if self.plan.fuse_projections else {}
-        # {"packed": [linear layers]}: after fusion, so that the fused projections are the ones packed
+        # {"packed": [linear layers], "kernel": what they run}: after fusion, so that the fused projections are the ones packed
         self.packing = pack_linears(self.model) if self.plan.pack_cpu_weights and self.device.type == "cpu" else {}
         self.tokenizer = tokenizer
         self.config = model.config

@@ -25,8 +25,8 @@ class ServingPlan:
     """Paged-KV and batching settings. ``kv_dtype="auto"``: the model's dtype, or the FP8 cache
     the artifact declares (``manifest["kv_cache"]``). ``num_blocks``, when set, wins over ``kv_memory_mb``.
     ``fuse_projections``: the engine runs q/k/v and gate/up as one matmul each (``compiler/model/fusion.py``).
-    ``pack_cpu_weights``: on the CPU, float32 linear layers also keep a oneDNN-packed copy of their
-    weight for batches of 4+ rows (``compiler/kernels/dense_cpu.py``: 4 bytes a weight more)."""
+    ``pack_cpu_weights``: on the CPU, float32 linear layers also keep a packed copy of their weight
+    for qcompile's dense kernel or oneDNN (``compiler/kernels/dense_cpu.py``: 4 bytes a weight more)."""
 
     block_size: int = 16
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16", "float8_e4m3fn"] = "auto"

@@ -45,7 +45,7 @@ import torch.nn as nn
 from compiler.errors import ArtifactError
 from compiler.formats.qlinear import QuantizedLinear, register_format
 from compiler.kernels.cpu_ext import cpu_kernels, fp8_codes_gemm_enabled, pack_fp8_codes
-from compiler.kernels.dense_cpu import PACKED_FROM_ROWS, DerivedTensor, onednn_available, pack_weight
+from compiler.kernels.dense_cpu import DerivedTensor, pack_weight, packed_from_rows, packing_available
 from compiler.kernels.fp8_gemm import (
     dequantize_activations,
     dequantize_weight,
@@ -196,7 +196,7 @@ class Fp8Linear(QuantizedLinear):
         self.register_buffer("outlier_index", torch.empty(r, dtype=torch.int64) if r else None)
         self.register_buffer("outlier_weight", torch.empty(n, r, dtype=dtype) if r else None)
         self._float_weight = DerivedTensor()  # never saved: see float_weight()
-        self._packed_weight: DerivedTensor | None = None  # float_weight() for oneDNN, once pack_cpu_weight() is called
+        self._packed_weight: DerivedTensor | None = None  # float_weight() packed (dense_cpu.pack_weight), once pack_cpu_weight() is called
         self._cpu_codes = DerivedTensor()  # never saved: see cpu_codes()
 
     @property
@@ -348,14 +348,14 @@ class Fp8Linear(QuantizedLinear):
     def pack_cpu_weight(self) -> bool:
         """Prepare the serving engine's CPU forward now (``pack_linears``), a one-time cost at load:
         the codes' layout where ``fp8_linear_codes`` runs (no float copy at all), else
-        ``float_weight()`` in oneDNN's layout too, for batches of ``PACKED_FROM_ROWS`` rows or more
-        (4 bytes per weight more). False where the CPU forward would use neither: weight-only
-        layers, the float copy turned off, no oneDNN, not on the CPU."""
+        ``float_weight()`` packed too (``dense_cpu.pack_weight``), for batches of ``packed_from_rows()``
+        rows or more (4 bytes per weight more). False where the CPU forward would use neither: weight-only
+        layers, the float copy turned off, no packed kernel, not on the CPU."""
         if self._takes_codes():
             with torch.no_grad():
                 self.cpu_codes()
             return True
-        if not (self.format.quantizes_activations and float_weight_enabled() and onednn_available()
+        if not (self.format.quantizes_activations and float_weight_enabled() and packing_available()
                 and self.weight.is_cpu):
             return False
         self._packed_weight = DerivedTensor()
@@ -388,7 +388,7 @@ class Fp8Linear(QuantizedLinear):
                                                       self.format.activation_torch_dtype, self.cpu_codes(),
                                                       self.weight.dtype, self.weight_scale, self.out_features, self.bias)
             if float_weight_enabled():  # at a few tokens the Python path costs more than its arithmetic
-                takes_packed = self._packed_weight is not None and x.numel() >= PACKED_FROM_ROWS * self.in_features
+                takes_packed = self._packed_weight is not None and x.numel() >= packed_from_rows() * self.in_features
                 return cpu_kernels().fp8_linear(x, self.input_shift, self.input_scale, self.format.activation_torch_dtype,
                                                 self.float_weight(), self.bias, self._packed() if takes_packed else None)
         shape = x.shape

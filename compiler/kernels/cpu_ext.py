@@ -28,6 +28,10 @@
   copy's 4, and no float copy kept.
 - ``int4_linear(x, weight, group_size, scales_and_zeros, padded_in_features, bias)``:
   ``int4_cpu_matmul``'s casts, padding, torch's INT4 kernel and bias in one call, the same bits.
+- ``dense_linear(x, packed, out_features, bias)``: a float32 linear layer on its weight packed in
+  blocks of 16 output channels (``compiler/kernels/dense_cpu.py``, where the CPU has AVX-512:
+  ``dense_gemm_available()``); the weight read once as a stream, each row's sums in one order
+  whatever the batch. Within ~1e-7 of ``F.linear`` (the order of the float32 sums).
 
 torch builds the library with its C++ toolchain (``torch.utils.cpp_extension``: a C++ compiler and
 ``ninja``) into its extensions cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
@@ -150,7 +154,7 @@ def build() -> int:
 
 
 def _op_names() -> list[str]:
-    return [name for name in ("paged_decode", "fp8_fake_quant_rows", "fp8_linear") if hasattr(torch.ops.qcompile_cpu, name)]
+    return [name for name in ("paged_decode", "fp8_fake_quant_rows", "fp8_linear", "dense_linear") if hasattr(torch.ops.qcompile_cpu, name)]
 
 
 if __name__ == "__main__":

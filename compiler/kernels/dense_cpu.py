@@ -1,23 +1,31 @@
-"""Float linear layers on the CPU through oneDNN with a pre-packed weight, for batches of rows.
+"""Float32 linear layers on the CPU on a weight packed once: qcompile's own kernel, else oneDNN.
 
-torch's ``F.linear`` on the CPU calls MKL's sgemm on the ``[out, in]`` weight as stored; oneDNN
-on a weight reordered once into its blocked layout (``mkldnn._reorder_linear_weight``, then
-``mkldnn._linear_pointwise``, as vLLM's CPU backend and inductor's freezing do) is the other way.
-Which is faster depends on the CPU: MKL's fast paths are Intel's. SmolLM2's 30 decoder layers of
-float32 projections (fused q/k/v and gate/up), weights cold in cache, 2 threads, ms for all of
-them (``python benchmarks/dense_cpu.py``):
+torch's ``F.linear`` on the CPU calls MKL's sgemm on the ``[out, in]`` weight as stored. Two
+packed ways are faster for the engine's batches: qcompile's ``dense_linear`` (C++, AVX-512: the
+weight in blocks of 16 output channels, ``pack_dense_weight``, each tile's sums in registers over
+the whole input, the weight read once as a stream), and oneDNN on a weight reordered into its
+blocked layout (``mkldnn._reorder_linear_weight``, then ``mkldnn._linear_pointwise``, as vLLM's
+CPU backend and inductor's freezing do). SmolLM2's 30 decoder layers of float32 projections (fused
+q/k/v and gate/up), weights cold in cache, 2 threads, ms for all of them (``python
+benchmarks/dense_cpu.py``):
 
-    rows                               1     2     3     4     16    64
+    rows                               1     2     3     4     16    64    512
     Xeon (AVX-512, AMX):  MKL        17.1  20.0         29.2  42.1  74.1
                           oneDNN     20.2  24.6         21.4  32.2  71.1
-    AMD EPYC (AVX-512):   MKL        34.8  61.3  72.1  47.1  56.9
-                          oneDNN     21.6  22.4  17.6  18.0  29.5
+    AMD EPYC (AVX-512):   MKL        33.4  52.9  60.7  44.9  48.4 103.4  623.6
+                          oneDNN     19.0  21.7  17.2  16.5  25.5  79.0  522.2
+                          qcompile   12.7  12.5  12.6  13.4  19.8  66.1  503.0
 
-so ``PackedLinear`` keeps both: the weight as it is (``F.linear`` below ``PACKED_FROM_ROWS`` rows,
-and every other user of the module's ``weight``: tied embeddings, state dicts) and the packed
-copy (4 bytes a weight more, never saved), and the crossover is 4 rows on an Intel CPU, 1 (oneDNN
-always) on any other. Both are float32 arithmetic; they differ only in the order of the sums (~1e-7
-relative). Only the engine packs (``ServingPlan.pack_cpu_weights``).
+(the Xeon's row from 2026-12-04, before qcompile's kernel; the EPYC's from 2026-12-06). qcompile's
+kernel reads the weight at the memory's speed from one row on (425 MB in 12.7 ms) and is level
+with oneDNN where both are bound by arithmetic (512 rows).
+
+So ``PackedLinear`` keeps the weight as it is (``F.linear`` for what the packed way does not take,
+and every other user of the module's ``weight``: tied embeddings, state dicts) and one packed copy
+(4 bytes a weight more, never saved): qcompile's where its kernel runs (from one row on; its rows
+are summed in one order whatever the batch), else oneDNN's from ``ONEDNN_FROM_ROWS`` rows (4 on an
+Intel CPU, where MKL's gemv wins below; 1 on any other). All are float32 arithmetic; they differ
+only in the order of the sums (~1e-7 relative). Only the engine packs (``ServingPlan.pack_cpu_weights``).
 """
 from __future__ import annotations
 
@@ -27,6 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from compiler.kernels.cpu_ext import cpu_kernels, cpu_kernels_status
 
 
 @functools.cache
@@ -42,11 +52,41 @@ def cpu_vendor() -> str:
 
 
 # the crossovers above: on the Xeon MKL's gemv wins below 4 rows (at 3 the two are level); elsewhere oneDNN wins at every size
-PACKED_FROM_ROWS = 4 if cpu_vendor() == "GenuineIntel" else 1
+ONEDNN_FROM_ROWS = 4 if cpu_vendor() == "GenuineIntel" else 1
 
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def dense_kernel():
+    """``torch.ops.qcompile_cpu`` where its ``dense_linear`` runs (the C++ kernels loaded, built for
+    a CPU with AVX-512), else None."""
+    ops = cpu_kernels()
+    return ops if ops is not None and _has_dense_gemm() else None
+
+
+@functools.cache
+def _has_dense_gemm() -> bool:
+    return bool(torch.ops.qcompile_cpu.dense_gemm_available())
+
+
+def packing_available() -> bool:
+    """Whether a float32 weight can be packed here (for either kernel)."""
+    return dense_kernel() is not None or onednn_available()
+
+
+def packing_kernel() -> str:
+    """What a packed weight runs here: qcompile's kernel, or oneDNN and why not qcompile's."""
+    if dense_kernel() is not None:
+        return "qcompile dense_linear"
+    why = cpu_kernels_status() if cpu_kernels() is None else "the C++ kernels are built for a CPU without AVX-512"
+    return f"oneDNN (qcompile's dense_linear: {why})"
+
+
+def packed_from_rows() -> int:
+    """The rows from which a packed weight is faster than ``F.linear``'s on the weight as stored."""
+    return 1 if dense_kernel() is not None else ONEDNN_FROM_ROWS
 
 
 class DerivedTensor:
@@ -79,24 +119,39 @@ class DerivedTensor:
         self.value = self._sources = None
 
 
+def pack_dense_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 [N, K] weight -> ``dense_linear``'s layout, float32 [ceil(N/16), K, 16]: per block
+    of 16 output channels, the 16 channels' weights of each input channel (zeros where N is padded)."""
+    n, k = weight.shape
+    blocks = -(-n // 16)
+    padded = torch.zeros(blocks * 16, k, dtype=weight.dtype, device=weight.device)
+    padded[:n] = weight.detach()
+    return padded.view(blocks, 16, k).transpose(1, 2).contiguous()
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 [out, in] weight in oneDNN's blocked layout, for ``dense``."""
+    """A float32 [out, in] weight packed for ``dense``: ``dense_linear``'s layout where it runs, else oneDNN's."""
+    if dense_kernel() is not None:
+        return pack_dense_weight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed=None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through ``packed`` (``weight``'s ``pack_weight``, a tensor or a
-    callable giving it) from ``PACKED_FROM_ROWS`` rows on, outside autograd (oneDNN's op has no backward)."""
-    if packed is None or x.numel() < PACKED_FROM_ROWS * weight.shape[1] or torch.is_grad_enabled():
+    callable giving it) from ``packed_from_rows()`` rows on, outside autograd (the packed ops have no backward)."""
+    if packed is None or x.numel() < packed_from_rows() * weight.shape[1] or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
     packed = packed() if callable(packed) else packed
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None if bias is None else bias.detach(), "none", [], "")
+    bias = None if bias is None else bias.detach()
+    if packed.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return dense_kernel().dense_linear(x, packed, weight.shape[0], bias)
 
 
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` (the same weight and bias parameters) that multiplies batches of
-    ``PACKED_FROM_ROWS`` rows or more by a oneDNN-packed copy of its weight. The copy follows the
-    weight: an in-place write or a new tensor repacks it on the next such call."""
+    ``packed_from_rows()`` rows or more by a packed copy of its weight (``pack_weight``). The copy
+    follows the weight: an in-place write or a new tensor repacks it on the next such call."""
 
     def __init__(self, linear: nn.Linear):
         nn.Module.__init__(self)
@@ -119,9 +174,9 @@ def packable(m: nn.Module) -> bool:
 def pack_linears(model: nn.Module) -> dict[str, list[str]]:
     """Replace every float32 CPU ``nn.Linear`` of ``model`` by a ``PackedLinear`` in place, and
     pack the float32 weight copy of every module that keeps one (``pack_cpu_weight()``, e.g.
-    ``Fp8Linear``'s), each packed now (a one-time cost at load). Returns ``{"packed": [names]}``,
-    empty when oneDNN is absent."""
-    if not onednn_available():
+    ``Fp8Linear``'s), each packed now (a one-time cost at load). Returns ``{"packed": [names],
+    "kernel": packing_kernel()}``, empty when neither packed kernel is here."""
+    if not packing_available():
         return {}
     packed = []
     for parent_name, parent in list(model.named_modules()):
@@ -134,4 +189,4 @@ def pack_linears(model: nn.Module) -> dict[str, list[str]]:
             elif not (hasattr(child, "pack_cpu_weight") and child.pack_cpu_weight()):
                 continue
             packed.append(f"{parent_name}.{name}" if parent_name else name)
-    return {"packed": packed}
+    return {"packed": packed, "kernel": packing_kernel()}

@@ -19,9 +19,9 @@ weight once (``dequantize_weight``, kept beside the FP8 codes) and runs ``float_
 reference's own arithmetic on that copy: the same float32 products and sums, so the same output
 bit for bit. It costs 4 bytes per weight (float32) on top of the codes' one;
 ``QCOMPILE_FP8_CPU_FLOAT_WEIGHT=0`` turns it off for a process (memory over speed). The serving
-engine also packs that copy for oneDNN (``pack_cpu_weight``, 4 bytes more), which batches of
-``PACKED_FROM_ROWS`` rows or more multiply by: float32 still, the sums in another order (~1e-7
-relative), as its float linears.
+engine also packs that copy (``pack_cpu_weight``, 4 bytes more, ``dense_cpu.pack_weight``), which
+batches of ``packed_from_rows()`` rows or more multiply by: float32 still, the sums in another order
+(~1e-7 relative), as its float linears.
 The activations' quantization on the CPU is one C++ op (``fp8_fake_quant_rows``,
 ``compiler/kernels/cpu_ext.py``), bit for bit the torch ops of ``compiler/quant/fp8.py``.
 
@@ -75,7 +75,7 @@ def float_weight_gemm(a, a_scale, w, bias=None, out_dtype=torch.float32) -> torc
 
 def float_gemm(a, w, bias=None, out_dtype=torch.float32, packed=None) -> torch.Tensor:
     """The reference's matmul of dequantized activations ``a`` and weight ``w`` (float32 both);
-    ``packed``: ``w`` in oneDNN's layout, for batches of rows (``compiler/kernels/dense_cpu.py``)."""
+    ``packed``: ``w`` packed (``compiler/kernels/dense_cpu.py``), for batches of rows."""
     return dense(a, w, None if bias is None else bias.float(), packed).to(out_dtype)
 
 

@@ -239,9 +239,9 @@ def cached_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 def serve(path, prompts: list[list[int]], params: SamplingParams):
     """On the artifact at ``path``, loaded twice: each prompt's greedy tokens from the model's own
     generation and the logits its contiguous cache chose them from, then (the engine fuses and packs
-    its copy in place) the engine's tokens and logits. The reference's weights are packed for oneDNN
-    as the engine's are: where oneDNN takes a single row (``PACKED_FROM_ROWS``), MKL's GEMM would
-    round differently in the last bit and flip an FP8 activation code now and then."""
+    its copy in place) the engine's tokens and logits. The reference's weights are packed as the
+    engine's are: where the packed kernel takes a single row (``packed_from_rows()``), MKL's GEMM
+    would round differently in the last bit and flip an FP8 activation code now and then."""
     model = load_artifact(path).model
     pack_linears(model)
     want = [model.generate(torch.tensor([p]), params.max_tokens)[0, len(p):].tolist() for p in prompts]

@@ -15,7 +15,7 @@ from numerics import FP8_GEMM_BOUNDS, relative_error, stable_seed
 from compiler.errors import ArtifactError
 from compiler.formats.fp8 import Fp8Format, Fp8Linear
 from compiler.kernels.cpu_ext import CODES_SWITCH, fp8_codes_gemm_enabled
-from compiler.kernels.dense_cpu import PACKED_FROM_ROWS, onednn_available
+from compiler.kernels.dense_cpu import packed_from_rows, packing_available
 from compiler.kernels.fp8_gemm import dequant_gemm
 from compiler.quant.fp8 import FP8_DTYPES, quantize, quantize_per_token
 
@@ -291,11 +291,11 @@ def test_cpu_float_copy_gives_the_reference_output_bit_for_bit(case, dtype, monk
     assert err < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
-@pytest.mark.parametrize("rows", sorted({1, max(PACKED_FROM_ROWS - 1, 1), PACKED_FROM_ROWS, 37}))
+@pytest.mark.skipif(not packing_available(), reason="neither packed kernel is here")
+@pytest.mark.parametrize("rows", sorted({1, max(packed_from_rows() - 1, 1), packed_from_rows(), 37}))
 def test_packed_float_copy_matches_the_reference_and_follows_the_buffers(rows, monkeypatch):
     """The engine's packed copy (``pack_cpu_weight``, where the codes' kernel does not run) serves
-    batches of ``PACKED_FROM_ROWS`` rows or more (in ``fp8_linear``'s one call): float32 sums in
+    batches of ``packed_from_rows()`` rows or more (in ``fp8_linear``'s one call): float32 sums in
     another order, within 1e-6 of the reference; below that the unpacked copy, bit for bit."""
     monkeypatch.setenv(CODES_SWITCH, "0")
     torch.manual_seed(rows)
@@ -309,7 +309,7 @@ def test_packed_float_copy_matches_the_reference_and_follows_the_buffers(rows, m
         want = _reference_forward(q, x)
         err = relative_error(got, want)
         print(f"rows={rows}: packed copy vs reference {err:.2e}")
-        assert err < 1e-6 and (rows >= PACKED_FROM_ROWS or torch.equal(got, want))
+        assert err < 1e-6 and (rows >= packed_from_rows() or torch.equal(got, want))
         with torch.no_grad():
             q.weight_scale.mul_(2)  # in place: the float copy and the packed one are rebuilt
 

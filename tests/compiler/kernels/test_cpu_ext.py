@@ -83,21 +83,22 @@ def test_fake_quant_rows_rounds_every_boundary_as_torchs_cast(cpu_ops, dtype):
 @pytest.mark.parametrize("rows", [1, 3, 20])
 def test_fp8_linear_is_the_python_paths_gemm_bit_for_bit(cpu_ops, bias, rows, packed):
     """``fp8_linear`` = the rounded activations times the float32 weight plus the bias, as
-    ``float_gemm`` computes them (``dense``: the same addmm, or given the weight packed for oneDNN
-    the same oneDNN linear; the same bits), in [B, T, K] shape."""
+    ``float_gemm`` computes them (``dense``: the same addmm, or given the weight packed the same
+    packed linear; the same bits), in [B, T, K] shape."""
     import torch.nn.functional as F
 
-    from compiler.kernels.dense_cpu import onednn_available, pack_weight
+    from compiler.kernels.dense_cpu import dense, pack_weight, packing_available
 
-    if packed and not onednn_available():
-        pytest.fail("this torch has no oneDNN: the packed path cannot be checked")
+    if packed and not packing_available():
+        pytest.fail("neither packed kernel is here: the packed path cannot be checked")
     g = torch.Generator().manual_seed(rows + 2 * bias)
     x, shift = torch.randn(1, rows, 576, generator=g) * 3, torch.randn(576, generator=g)
     w, b = torch.randn(192, 576, generator=g), torch.randn(192, generator=g) if bias else None
     w_packed = pack_weight(w) if packed else None
     got = cpu_ops.fp8_linear(x, shift, None, torch.float8_e4m3fn, w, b, w_packed)
     a, _ = cpu_ops.fp8_fake_quant_rows(x.reshape(rows, 576), shift, None, torch.float8_e4m3fn)
-    want = torch.ops.mkldnn._linear_pointwise(a, w_packed, b, "none", [], "") if packed else F.linear(a, w, b)
+    with torch.inference_mode():
+        want = dense(a, w, b, w_packed) if packed else F.linear(a, w, b)
     assert got.shape == (1, rows, 192) and torch.equal(got, want.reshape(1, rows, 192))
     assert relative_error(got, F.linear(a, w, b).reshape(1, rows, 192)) < 1e-6
 
