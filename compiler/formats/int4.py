@@ -18,8 +18,8 @@ byte for byte, so that lowering is a reshape, never a re-quantization:
 The primitives (choose qparams, quantize, dequantize) are in ``compiler/quant/int4.py``.
 
 ``forward`` runs, by device: on CUDA the Triton W4A16 kernel (``compiler/kernels/w4a16.py``); on
-the CPU torch's INT4 kernel (``compiler/kernels/int4_cpu.py``) on a copy of the weights repacked
-at first use (codes unchanged; the copy is an attribute, not a buffer, so it never enters the
+the CPU torch's INT4 kernel (``compiler/kernels/int4_cpu.py``; qcompile's ``int4_dense_linear``
+for a prefill's many tokens) on a copy of the weights repacked at first use (codes unchanged; the copy is an attribute, not a buffer, so it never enters the
 artifact, and it is rebuilt when the buffers change, move or change dtype). A layer the CPU
 kernel cannot take says why in ``kernel_reason`` and runs ``reference_forward`` (unpack,
 dequantize, matmul), which is also what every kernel is tested against.
@@ -41,6 +41,8 @@ from compiler.kernels.int4_cpu import (
     Int4CpuPack,
     activation_unsupported_reason,
     int4_cpu_matmul,
+    int4_dense_enabled,
+    int4_dense_matmul,
     kernel_enabled,
     layer_unsupported_reason,
     pack_for_cpu,
@@ -172,6 +174,10 @@ class Int4Linear(QuantizedLinear):
             return F.linear(x, w, bias)
         if self._runs_cpu_kernel(x):
             return int4_cpu_matmul(x, self.cpu_pack(), self._buffers["bias"])
+        if self._runs_dense_kernel(x):
+            buffers = self._buffers
+            return int4_dense_matmul(x, buffers["qweight"], buffers["scales"], unpack_zeros(buffers["qzeros"], self.n_blocks),
+                                     self.group_size, buffers["bias"])
         return self.reference_forward(x)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,6 +196,13 @@ class Int4Linear(QuantizedLinear):
             return True
         self.fallbacks.add(activation_unsupported_reason(x))
         return False
+
+    def _runs_dense_kernel(self, x: torch.Tensor) -> bool:
+        """Where torch's kernel is not taken: float32 activations and weights on the CPU, outside
+        autograd, through ``int4_dense_linear`` (the reference's float32 arithmetic, ~1e-7 apart)."""
+        return (x.is_cpu and x.dtype is torch.float32 and self.scales.dtype is torch.float32
+                and (self.bias is None or self.bias.dtype is torch.float32) and self.group_size % 8 == 0
+                and not torch.is_grad_enabled() and kernel_enabled() and int4_dense_enabled())
 
     def cpu_pack(self) -> Int4CpuPack:
         """The weights in the CPU kernel's layout, built on first use and again whenever a buffer is
