@@ -18,11 +18,13 @@ byte for byte, so that lowering is a reshape, never a re-quantization:
 The primitives (choose qparams, quantize, dequantize) are in ``compiler/quant/int4.py``.
 
 ``forward`` runs, by device: on CUDA the Triton W4A16 kernel (``compiler/kernels/w4a16.py``); on
-the CPU torch's INT4 kernel (``compiler/kernels/int4_cpu.py``; qcompile's ``int4_dense_linear``
-for a prefill's many tokens) on a copy of the weights repacked at first use (codes unchanged; the copy is an attribute, not a buffer, so it never enters the
-artifact, and it is rebuilt when the buffers change, move or change dtype). A layer the CPU
+the CPU torch's INT4 kernel (``compiler/kernels/int4_cpu.py``) on a copy of the weights repacked
+at first use (codes unchanged; the copy is an attribute, not a buffer, so it never enters the
+artifact, and it is rebuilt when the buffers change, move or change dtype), and for a prefill's
+many float32 tokens qcompile's ``int4_dense_linear`` on the buffers themselves. A layer torch's
 kernel cannot take says why in ``kernel_reason`` and runs ``reference_forward`` (unpack,
-dequantize, matmul), which is also what every kernel is tested against.
+dequantize, matmul), which is also what every kernel is tested against — or, on float32 outside
+autograd, ``int4_dense_linear``, the reference's arithmetic a panel at a time (~1e-7 apart).
 """
 from __future__ import annotations
 

@@ -32,6 +32,9 @@
   blocks of 16 output channels (``compiler/kernels/dense_cpu.py``, where the CPU has AVX-512:
   ``dense_gemm_available()``); the weight read once as a stream, each row's sums in one order
   whatever the batch. Within ~1e-7 of ``F.linear`` (the order of the float32 sums).
+  ``int4_dense_linear(x, codes, scales, zeros, group_size, bias)``: an ``Int4Linear``'s many-token
+  float32 forward on its own buffers, the dequantize reference's weights built a panel at a time
+  for those tiles (``compiler/kernels/int4_cpu.py``).
 
 torch builds the library with its C++ toolchain (``torch.utils.cpp_extension``: a C++ compiler and
 ``ninja``) into its extensions cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
@@ -154,7 +157,7 @@ def build() -> int:
 
 
 def _op_names() -> list[str]:
-    return [name for name in ("paged_decode", "fp8_fake_quant_rows", "fp8_linear", "dense_linear") if hasattr(torch.ops.qcompile_cpu, name)]
+    return [name for name in ("paged_decode", "fp8_fake_quant_rows", "fp8_linear", "dense_linear", "int4_dense_linear") if hasattr(torch.ops.qcompile_cpu, name)]
 
 
 if __name__ == "__main__":
