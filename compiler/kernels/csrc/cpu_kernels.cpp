@@ -553,6 +553,20 @@ void dense_gemm(const DenseGemm& g, const float* packed, int64_t n_blocks) {
   });
 }
 
+// x [..., K] float32 times a weight of N outputs, plus the bias: run(g) fills g.y for the rows of x.
+template <typename Run>
+at::Tensor linear_rows(const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>& bias, Run&& run) {
+  const int64_t K = x.size(-1);
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({x2.size(0), N}, x.options());
+  const DenseGemm g{x2.data_ptr<float>(), x2.size(0), K, bias ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), N};
+  if (g.M > 0 && N > 0) run(g);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return y.view(shape);
+}
+
 // An INT4 layer as compiler/formats/int4.py stores it: codes [N, K_pad / 2] (two a byte, the even k
 // in the low nibble), scales and zero points [N, n_groups] in float32.
 struct Int4Weight {
@@ -624,16 +638,9 @@ at::Tensor int4_dense_linear(const at::Tensor& x, const at::Tensor& codes, const
               zeros.is_contiguous() && scales.sizes() == zeros.sizes() && scales.dim() == 2 && scales.size(0) == N,
               "scales and zeros must be contiguous float32 [N, n_groups]");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N), "bias must be float32 [N]");
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
-  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
-  at::Tensor y = at::empty({x2.size(0), N}, x.options());
-  const DenseGemm g{x2.data_ptr<float>(), x2.size(0), K, bias ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), N};
   const Int4Weight w{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), N, codes.size(1),
                      group_size, n_groups};
-  if (g.M > 0 && N > 0) int4_dense_gemm(g, w, (N + 15) / 16);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return y.view(shape);
+  return linear_rows(x, N, bias, [&](const DenseGemm& g) { int4_dense_gemm(g, w, (N + 15) / 16); });
 #else
   TORCH_CHECK(false, "int4_dense_linear needs AVX-512, which this build's CPU lacks (dense_gemm_available())");
 #endif
@@ -648,14 +655,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
               packed.size(1) == K && packed.size(2) == 16 && packed.is_contiguous(),
               "packed must be pack_dense_weight's float32 [ceil(N/16), K, 16] for x's K and out_features");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N), "bias must be float32 [N]");
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
-  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
-  at::Tensor y = at::empty({x2.size(0), N}, x.options());
-  const DenseGemm g{x2.data_ptr<float>(), x2.size(0), K, bias ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), N};
-  if (g.M > 0) dense_gemm(g, packed.data_ptr<float>(), n_blocks);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return y.view(shape);
+  return linear_rows(x, N, bias, [&](const DenseGemm& g) { dense_gemm(g, packed.data_ptr<float>(), n_blocks); });
 #else
   TORCH_CHECK(false, "dense_linear needs AVX-512, which this build's CPU lacks (dense_gemm_available())");
 #endif
