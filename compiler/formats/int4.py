@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from compiler.formats.qlinear import QuantizedLinear, register_format
 from compiler.kernels import triton_available
+from compiler.kernels.dense_cpu import DerivedTensor
 from compiler.kernels.int4_cpu import (
     ACTIVATION_DTYPES,
     KERNEL,
@@ -121,6 +122,7 @@ class Int4Linear(QuantizedLinear):
         self.fallbacks: set[str] = set()
         self._cpu_pack: Int4CpuPack | None = None  # derived, never saved: see cpu_pack()
         self._cpu_pack_source: tuple | None = None  # the buffers it was built from, and their versions
+        self._float_zeros = DerivedTensor()  # never saved: see float_zeros()
 
     @property
     def n_blocks(self) -> int:
@@ -178,8 +180,8 @@ class Int4Linear(QuantizedLinear):
             return int4_cpu_matmul(x, self.cpu_pack(), self._buffers["bias"])
         if self._runs_dense_kernel(x):
             buffers = self._buffers
-            return int4_dense_matmul(x, buffers["qweight"], buffers["scales"], unpack_zeros(buffers["qzeros"], self.n_blocks),
-                                     self.group_size, buffers["bias"])
+            return int4_dense_matmul(x, buffers["qweight"], buffers["scales"], self.float_zeros(), self.group_size,
+                                     buffers["bias"])
         return self.reference_forward(x)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,6 +200,12 @@ class Int4Linear(QuantizedLinear):
             return True
         self.fallbacks.add(activation_unsupported_reason(x))
         return False
+
+    def float_zeros(self) -> torch.Tensor:
+        """The zero points unpacked, float32 [N, n_blocks], for ``int4_dense_linear``: kept (never
+        saved) until ``qzeros`` is replaced or written in place, not unpacked on every call."""
+        qzeros = self._buffers["qzeros"]
+        return self._float_zeros.get((qzeros,), lambda: unpack_zeros(qzeros, self.n_blocks).float())
 
     def _runs_dense_kernel(self, x: torch.Tensor) -> bool:
         """Where torch's kernel is not taken: float32 activations and weights on the CPU, outside

@@ -59,16 +59,12 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+@functools.cache
 def dense_kernel():
     """``torch.ops.qcompile_cpu`` where its ``dense_linear`` runs (the C++ kernels loaded, built for
-    a CPU with AVX-512), else None."""
+    a CPU with AVX-512), else None. Asked on every packed call, so answered once per process."""
     ops = cpu_kernels()
-    return ops if ops is not None and _has_dense_gemm() else None
-
-
-@functools.cache
-def _has_dense_gemm() -> bool:
-    return bool(torch.ops.qcompile_cpu.dense_gemm_available())
+    return ops if ops is not None and ops.dense_gemm_available() else None
 
 
 def packing_available() -> bool:

@@ -114,7 +114,7 @@ def int4_dense_enabled() -> bool:
 def int4_dense_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x float32 [..., K] times an ``Int4Linear``'s buffers (qweight [N, n_blocks, g/2], float32
-    scales [N, n_blocks], integer zero points [N, n_blocks]) through ``int4_dense_linear``."""
+    scales [N, n_blocks], zero points [N, n_blocks], unpacked) through ``int4_dense_linear``."""
     return dense_kernel().int4_dense_linear(x, qweight.reshape(qweight.shape[0], -1), scales, zeros.float(),
                                             group_size, bias)
 

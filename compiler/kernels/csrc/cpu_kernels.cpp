@@ -545,11 +545,18 @@ void dense_rows(const DenseGemm& g, const float* panel, int64_t n0) {
   for (int64_t m = 0; m < g.M; m += 8) tiles[std::min<int64_t>(8, g.M - m)](g, panel, g.x + m * g.K, g.y + m * g.N, n0);
 }
 
-void dense_gemm(const DenseGemm& g, const float* packed, int64_t n_blocks) {
+// Each thread takes a run of the n_blocks blocks of 16 channels, three at a time: panel(b, J, buffer)
+// gives blocks b..b+J-1's float32 weights in the packed layout (in place, or built in buffer).
+template <typename Panel>
+void blocks_gemm(const DenseGemm& g, int64_t n_blocks, Panel&& panel) {
   using Rows = void (*)(const DenseGemm&, const float*, int64_t);
   static constexpr Rows rows[] = {nullptr, dense_rows<1>, dense_rows<2>, dense_rows<3>};
   at::parallel_for(0, n_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; b += 3) rows[std::min<int64_t>(3, end - b)](g, packed + b * g.K * 16, b * 16);
+    std::vector<float> buffer;
+    for (int64_t b = begin; b < end; b += 3) {
+      const int J = static_cast<int>(std::min<int64_t>(3, end - b));
+      rows[J](g, panel(b, J, buffer), b * 16);
+    }
   });
 }
 
@@ -602,19 +609,6 @@ void int4_panel(const Int4Weight& w, int64_t b0, int J, int64_t K, float* panel)
   }
 }
 
-// Each thread dequantizes 3 blocks at a time into a panel that stays in its cache and runs every row against it.
-void int4_dense_gemm(const DenseGemm& g, const Int4Weight& w, int64_t n_blocks) {
-  using Rows = void (*)(const DenseGemm&, const float*, int64_t);
-  static constexpr Rows rows[] = {nullptr, dense_rows<1>, dense_rows<2>, dense_rows<3>};
-  at::parallel_for(0, n_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> panel(3 * g.K * 16);
-    for (int64_t b = begin; b < end; b += 3) {
-      const int J = static_cast<int>(std::min<int64_t>(3, end - b));
-      int4_panel(w, b, J, g.K, panel.data());
-      rows[J](g, panel.data(), b * 16);
-    }
-  });
-}
 #else
 constexpr bool kDenseGemm = false;
 #endif
@@ -640,7 +634,14 @@ at::Tensor int4_dense_linear(const at::Tensor& x, const at::Tensor& codes, const
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N), "bias must be float32 [N]");
   const Int4Weight w{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), N, codes.size(1),
                      group_size, n_groups};
-  return linear_rows(x, N, bias, [&](const DenseGemm& g) { int4_dense_gemm(g, w, (N + 15) / 16); });
+  // each thread dequantizes 3 blocks at a time into a panel that stays in its cache
+  return linear_rows(x, N, bias, [&](const DenseGemm& g) {
+    blocks_gemm(g, (N + 15) / 16, [&](int64_t b, int J, std::vector<float>& panel) {
+      panel.resize(3 * g.K * 16);
+      int4_panel(w, b, J, g.K, panel.data());
+      return static_cast<const float*>(panel.data());
+    });
+  });
 #else
   TORCH_CHECK(false, "int4_dense_linear needs AVX-512, which this build's CPU lacks (dense_gemm_available())");
 #endif
@@ -655,7 +656,10 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
               packed.size(1) == K && packed.size(2) == 16 && packed.is_contiguous(),
               "packed must be pack_dense_weight's float32 [ceil(N/16), K, 16] for x's K and out_features");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N), "bias must be float32 [N]");
-  return linear_rows(x, N, bias, [&](const DenseGemm& g) { dense_gemm(g, packed.data_ptr<float>(), n_blocks); });
+  const float* weights = packed.data_ptr<float>();
+  return linear_rows(x, N, bias, [&](const DenseGemm& g) {
+    blocks_gemm(g, n_blocks, [&](int64_t b, int, std::vector<float>&) { return weights + b * g.K * 16; });
+  });
 #else
   TORCH_CHECK(false, "dense_linear needs AVX-512, which this build's CPU lacks (dense_gemm_available())");
 #endif

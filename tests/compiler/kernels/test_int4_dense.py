@@ -94,3 +94,12 @@ def test_the_kernel_refuses_operands_that_do_not_fit():
         ops.int4_dense_linear(torch.randn(2, 64), codes, layer.scales, zeros, 12, None)
     with pytest.raises(RuntimeError, match="float32"):
         ops.int4_dense_linear(torch.randn(2, 64), codes, layer.scales.half(), zeros, 32, None)
+
+
+def test_the_kept_zero_points_follow_the_buffer():
+    layer = random_layer(64, 32, 32, False, seed=4)
+    x = torch.randn(REFERENCE_MIN_TOKENS, 64)
+    with torch.inference_mode():
+        layer(x)
+        layer.qzeros.copy_(torch.full_like(layer.qzeros, 0x55))  # every zero point 5, in place
+        assert relative_error(layer(x), layer.reference_forward(x)) < TOLERANCE
