@@ -1,6 +1,6 @@
 """Float32 linear layers on the CPU: MKL's ``F.linear``, oneDNN and qcompile's kernel on packed weights, by rows.
 
-    python benchmarks/dense_cpu.py [--threads 2] [--rows 1,2,3,4,16,64,512] [--layers 30] [--repeats 10] [--modules]
+    python benchmarks/dense_cpu.py [--threads 2] [--rows 1,2,3,4,16,64,512] [--layers 30] [--repeats 10] [--modules] [--int4]
 
 The layers are SmolLM2's decoder projections as the engine runs them (q/k/v fused 576 -> 960,
 o 576 -> 576, gate/up fused 576 -> 3072, down 1536 -> 576), ``--layers`` copies of each, so that the
@@ -12,10 +12,15 @@ C++ kernels built for AVX-512 ("-" where they are not).
 ``--modules`` adds the layers as the engine calls them, Python included: float's ``PackedLinear``
 and ``Fp8Linear`` (W8A8 per token with the input shift, ``examples/fp8.toml``'s format) with its
 float copy packed (``pack_linears``), so the FP8 column is float's matmul plus what FP8 adds.
+
+``--int4`` adds the same layers as ``Int4Linear`` (round to nearest, group 64, 128 for the 1536-wide
+input, as AWQ's fallback gives SmolLM2), called as the engine does: W4A16 (torch's INT4 kernel below
+256 rows, ``int4_dense_linear`` from there) and W4A8 (``int4_compute = "w4a8"``: ``w4a8_linear``).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from pathlib import Path
@@ -52,6 +57,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--modules", action="store_true", help="also time PackedLinear and Fp8Linear modules")
+    p.add_argument("--int4", action="store_true", help="also time Int4Linear modules, W4A16 and W4A8")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -61,9 +67,11 @@ def main() -> None:
     ops = dense_kernel()
     ours = [_Packed(pack_dense_weight(w), w.shape) for w in weights] if ops is not None else []
     float_modules, fp8_modules = engine_modules(weights) if args.modules else ([], [])
+    w4a16_modules, w4a8_modules = int4_modules(weights) if args.int4 else ([], [])
     print(f"{args.layers} layers x {len(SHAPES)} projections, float32, {args.threads} threads: ms per pass")
     print(f"{'rows':>6} {'F.linear (MKL)':>16} {'oneDNN packed':>15} {'qcompile packed':>17}"
-          + (f" {'PackedLinear':>13} {'Fp8Linear':>10}" if args.modules else ""))
+          + (f" {'PackedLinear':>13} {'Fp8Linear':>10}" if args.modules else "")
+          + (f" {'INT4 W4A16':>11} {'INT4 W4A8':>10}" if args.int4 else ""))
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
             inputs = {k: torch.randn(rows, k) for k in {k for k, _ in SHAPES}}
@@ -74,6 +82,9 @@ def main() -> None:
             if args.modules:
                 line += f" {pass_ms(float_modules, inputs, call, args.repeats):>13.1f}"
                 line += f" {pass_ms(fp8_modules, inputs, call, args.repeats):>10.1f}"
+            if args.int4:
+                line += f" {pass_ms(w4a16_modules, inputs, call, args.repeats):>11.1f}"
+                line += f" {pass_ms(w4a8_modules, inputs, call, args.repeats):>10.1f}"
             print(line)
 
 
@@ -112,6 +123,24 @@ def engine_modules(weights: list[torch.Tensor]) -> tuple[list[_Layer], list[_Lay
         float_modules.append(_Layer(holder[0]))
         fp8_modules.append(_Layer(holder[1]))
     return float_modules, fp8_modules
+
+
+def int4_modules(weights: list[torch.Tensor]) -> tuple[list[_Layer], list[_Layer]]:
+    """Each weight as an Int4Linear on W4A16 and on W4A8 (packed now, as the engine packs at load)."""
+    from compiler.formats.int4 import Int4Linear
+
+    w4a16, w4a8 = [], []
+    for w in weights:
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        linear.weight.data = w
+        layer = Int4Linear.from_float(linear, 64 if w.shape[1] % 128 else 128)
+        fast = copy.deepcopy(layer)
+        if why := fast.use_w4a8():
+            raise SystemExit(f"W4A8 cannot run here: {why}")
+        fast.w4a8_pack()
+        w4a16.append(_Layer(layer))
+        w4a8.append(_Layer(fast))
+    return w4a16, w4a8
 
 
 if __name__ == "__main__":

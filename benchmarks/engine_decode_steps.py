@@ -2,7 +2,8 @@
 
     python benchmarks/engine_decode_steps.py ARTIFACT [ARTIFACT ...] [--threads 1] [--conc 1,16] [--steps 10] [--rounds 1]
 
-Each ARTIFACT (or ``smollm2`` for the built-in float model) gets an ``Engine``; per concurrency C,
+Each ARTIFACT (or ``smollm2`` for the built-in float model; ``ARTIFACT:w4a8`` serves an INT4 one
+with ``int4_compute = "w4a8"``) gets an ``Engine``; per concurrency C,
 C random 128-token prompts are prefilled, then ``--steps`` decode steps (C tokens each) are timed.
 At one thread the thread-CPU time of a step barely depends on other processes (they take turns on
 the cores but do not add to this thread's time), so on a shared machine it is the figure to compare
@@ -30,7 +31,8 @@ def engine_for(spec: str) -> Engine:
         from compiler.io.load import load_checkpoint
 
         return Engine.from_loaded(load_checkpoint("smollm2"), device="cpu")
-    return Engine.from_artifact(spec, device="cpu")
+    path, _, compute = spec.partition(":")
+    return Engine.from_artifact(path, device="cpu", **({"int4_compute": compute} if compute else {}))
 
 
 def decode_steps(engine: Engine, concurrency: int, steps: int) -> tuple[list[float], list[float]]:

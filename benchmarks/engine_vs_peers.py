@@ -1,6 +1,6 @@
 """qcompile (engine, ONNX Runtime) against vLLM CPU, llama.cpp and onnxruntime-genai on SmolLM2, in one run.
 
-    python benchmarks/engine_vs_peers.py --float out/float --int4 out/awq-g128 [--int4-head out/awq-g128-head] --fp8 out/fp8 \
+    python benchmarks/engine_vs_peers.py --float out/float --int4 out/awq-g128 [--int4-head out/awq-g128-head] [--w4a8] --fp8 out/fp8 \
         [--vllm --vllm-int4 out/awq-g128-fp16 --vllm-fp8 out/fp8-vllm] [--onnx [--onnx-standard]] [--llama-cpp-path /tmp/llama-tools] \
         [--genai-path /tmp/ortgenai --genai-model /tmp/genai-int4] [--threads 2] [--output-len 128] \
         [--json docs/data/engine_vs_peers.json] [--plot out/engine_vs_peers.png]
@@ -28,6 +28,9 @@ block 32, lm_head in INT4) in a child process, on the same prompt ids; its 16-co
 one generator over a batch of 16, timed from the prompts to the last token. Ratios are against qcompile float in the same run,
 and the runtimes run one after another, interleaved per ``--rounds``, so that load from other
 processes falls on all of them: on a shared machine compare the ratios, not the times.
+
+``--w4a8`` adds the INT4 artifacts served with ``int4_compute = "w4a8"`` (int8 activations,
+``compiler/kernels/w4a8_cpu.py``), beside their W4A16 rows.
 
 A runtime that fails or runs past ``--runtime-timeout`` gets a row saying so, and the run goes on
 to the next one (qcompile float excepted: every ratio is against it).
@@ -102,24 +105,25 @@ def smollm2_gguf() -> Path:
     return resolve_model_path("smollm2")
 
 
-def bench(target: str, concurrency: int, requests: int, args, tokenizer: Path | None = None) -> dict:
+def bench(target: str, concurrency: int, requests: int, args, tokenizer: Path | None = None,
+          engine_plan: dict | None = None) -> dict:
     """One load point through the bench suite; the run's metrics."""
     from serving.bench.benchmark import load_points, run_benchmark
 
     workload = WorkloadConfig(prompt_len=LengthDist("fixed", args.prompt_len),
                               output_len=LengthDist("fixed", args.output_len))
     loads = load_points([concurrency], num_requests=requests, warmup=1 if concurrency == 1 else 0)
-    result = run_benchmark(target, workload, loads, tokenizer=tokenizer)
+    result = run_benchmark(target, workload, loads, tokenizer=tokenizer, engine_plan=engine_plan)
     metrics = result["runs"][0]["metrics"]
     if metrics["counts"]["output_length_mismatch"]:
         raise RuntimeError(f"{target}: {metrics['counts']['output_length_mismatch']} requests stopped early")
     return metrics
 
 
-def both_workloads(target: str, args, tokenizer: Path | None = None) -> dict:
+def both_workloads(target: str, args, tokenizer: Path | None = None, engine_plan: dict | None = None) -> dict:
     """The row's two figures: ms/token at one request, tokens/s at 16 concurrent."""
-    m1 = bench(target, 1, args.single_requests, args, tokenizer)
-    m16 = bench(target, 16, 16, args, tokenizer)
+    m1 = bench(target, 1, args.single_requests, args, tokenizer, engine_plan)
+    m16 = bench(target, 16, 16, args, tokenizer, engine_plan)
     return {"ms_per_token_c1": m1["time_per_output_token"]["mean"], "tok_s_c16": m16["output_token_throughput"]["mean"]}
 
 
@@ -132,11 +136,11 @@ def mean_after_warmup(ms_per_token: list[float]) -> float:
     return sum(ms_per_token[1:]) / len(ms_per_token[1:])  # the first prompt is the warm-up
 
 
-def run_engine(artifact: Path, args) -> dict:
+def run_engine(artifact: Path, args, engine_plan: dict | None = None) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    return both_workloads(str(artifact), args)
+    return both_workloads(str(artifact), args, engine_plan=engine_plan)
 
 
 def lowered(artifact: Path, target: str, dest: Path, *flags: str) -> Path:
@@ -216,6 +220,10 @@ def runtimes(args) -> list[tuple[str, callable]]:
         out.append(("qcompile AWQ INT4", lambda: run_engine(args.int4, args)))
     if args.int4_head:
         out.append(("qcompile AWQ INT4 + INT4 lm_head", lambda: run_engine(args.int4_head, args)))
+    if args.w4a8:
+        for label, artifact in (("AWQ INT4", args.int4), ("AWQ INT4 + INT4 lm_head", args.int4_head)):
+            if artifact:
+                out.append((f"qcompile {label}, W4A8", lambda artifact=artifact: run_engine(artifact, args, W4A8)))
     if args.fp8:
         out.append(("qcompile FP8", lambda: run_engine(args.fp8, args)))
     if args.vllm:
@@ -238,6 +246,9 @@ def runtimes(args) -> list[tuple[str, callable]]:
     if args.genai_path:
         out.append(("onnxruntime-genai INT4 (its builder)", lambda: run_genai(args)))
     return out
+
+
+W4A8 = {"int4_compute": "w4a8"}
 
 
 class RuntimeTimeout(Exception):
@@ -325,6 +336,7 @@ def main() -> None:
     p.add_argument("--float", type=Path, required=True, help="the float artifact (qcompile compile -c examples/float.toml)")
     p.add_argument("--int4", type=Path, help="an INT4 artifact (examples/awq_g128.toml)")
     p.add_argument("--int4-head", type=Path, help="an INT4 artifact with lm_head in INT4 too (examples/awq_g128_int4_head.toml)")
+    p.add_argument("--w4a8", action="store_true", help="also the INT4 artifacts served with int8 activations (int4_compute w4a8)")
     p.add_argument("--fp8", type=Path, help="an FP8 artifact (examples/fp8.toml)")
     p.add_argument("--vllm", action="store_true", help="also vLLM CPU on the float, INT4 and FP8 artifacts, lowered for it")
     # vLLM runs INT4 in float16 only and has no FP8 input shift: artifacts compiled for it
@@ -354,6 +366,8 @@ def main() -> None:
         p.error("--genai-path and --genai-model go together")
     if args.onnx_standard and not args.onnx:
         p.error("--onnx-standard goes with --onnx")
+    if args.w4a8 and not (args.int4 or args.int4_head):
+        p.error("--w4a8 goes with --int4 or --int4-head")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     plan = runtimes(args)
     results: dict[str, list[dict]] = {label: [] for label, _ in plan}

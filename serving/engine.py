@@ -26,7 +26,7 @@ from compiler.errors import ConfigError
 from compiler.io.types import LoadedModel
 from compiler.kernels.dense_cpu import pack_linears
 from compiler.model.fusion import fuse_projections
-from serving.engine_setup import build_kv_cache
+from serving.engine_setup import build_kv_cache, set_int4_compute
 from serving.kv_manager import KVCacheManager
 from serving.paged_cache import BatchMetadata, PagedKVCache, PrefillSeq
 from serving.request import GenerationResult, Request, RequestError, RequestStatus
@@ -47,6 +47,8 @@ class Engine:
         self.fusion = fuse_projections(self.model) if self.plan.fuse_projections else {}
         # {"packed": [linear layers], "kernel": what they run}: after fusion, so that the fused projections are the ones packed
         self.packing = pack_linears(self.model) if self.plan.pack_cpu_weights and self.device.type == "cpu" else {}
+        # {"compute": "w4a16" | "w4a8", "layers": how many, ...} for a model with INT4 layers: after fusion, as packing
+        self.int4 = set_int4_compute(self.model, self.plan.int4_compute, self.device)
         self.tokenizer = tokenizer
         self.config = model.config
         self.cache: PagedKVCache = build_kv_cache(model, self.plan, self.device, kv_cache_manifest)

@@ -1,4 +1,5 @@
-"""Build the paged KV cache an engine needs from the serving plan and the artifact's KV-cache entry.
+"""Build the paged KV cache an engine needs from the serving plan and the artifact's KV-cache entry,
+and set how its INT4 layers compute (``set_int4_compute``).
 
 An FP8 artifact declares (written by the fp8 pass)::
 
@@ -11,8 +12,10 @@ from __future__ import annotations
 import torch
 
 from compiler.deploy.serving_plan import KV_DTYPES, ServingPlan, bytes_per_block
-from compiler.errors import ArtifactError
+from compiler.errors import ArtifactError, ConfigError
 from compiler.formats.fp8_kv import parse_kv_scales
+from compiler.formats.int4 import Int4Linear
+from compiler.kernels import w4a8_cpu
 from serving.paged_cache import KVCacheSpec, PagedKVCache
 
 
@@ -42,3 +45,30 @@ def build_kv_cache(model: torch.nn.Module, plan: ServingPlan, device: torch.devi
         plan.block_size, c.n_layers, heads, dim, dtype, values))
     spec = KVCacheSpec(c.n_layers, num_blocks, plan.block_size, heads, dim, dtype, keys_only=not values)
     return PagedKVCache(spec, device, k_scales, v_scales, c.sliding_windows)
+
+
+def set_int4_compute(model: torch.nn.Module, compute: str, device: torch.device) -> dict:
+    """Put every ``Int4Linear`` of ``model`` on the plan's ``int4_compute`` and pack the W4A8 copies
+    now (a one-time cost at load). ``{"compute", "layers", "kernel", "w4a16": {layer: why}}`` for a
+    model with INT4 layers, else {}. W4A8 asked where it cannot run at all is a ConfigError: the
+    plan asked for those numerics, so they are not silently replaced by others."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
+    if not layers:
+        return {}
+    if compute == "w4a16":
+        for layer in layers.values():
+            layer.use_w4a8(False)
+        return {"compute": compute, "layers": len(layers)}
+    if device.type != "cpu":
+        raise ConfigError(f"int4_compute \"w4a8\" is a CPU kernel; on {device.type} INT4 runs W4A16: serve with "
+                          "int4_compute = \"w4a16\"")
+    if why := w4a8_cpu.w4a8_unavailable_reason():
+        raise ConfigError(f"int4_compute \"w4a8\" cannot run here: {why}; serve with int4_compute = \"w4a16\"")
+    kept = {}
+    with torch.no_grad():
+        for name, layer in layers.items():
+            if why := layer.use_w4a8():
+                kept[name] = why
+            else:
+                layer.w4a8_pack()
+    return {"compute": compute, "layers": len(layers) - len(kept), "kernel": w4a8_cpu.KERNEL, "w4a16": kept}

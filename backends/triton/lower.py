@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from compiler.deploy.targets import check_formats
+from compiler.errors import ConfigError
 from compiler.io.artifact import check_lowered_entries, read_manifest
 from compiler.io.atomic import atomic_directory_write
 from compiler.options import option
@@ -175,6 +176,10 @@ def lower_triton(artifact: str | Path, out: str | Path, opts: LowerOptions = Low
     manifest = read_manifest(artifact)
     check_formats("triton", manifest.get("modules", {}), str(artifact))
     check_lowered_entries(manifest, "triton", LOWERED_ENTRIES, str(artifact))
+    if opts.device != "cpu" and (manifest.get("serving") or {}).get("int4_compute") == "w4a8":
+        raise ConfigError(f"{artifact}: its serving plan runs INT4 on int8 activations (int4_compute \"w4a8\"), a CPU "
+                          f"kernel the engine has no {opts.device} form of; lower it with --device cpu, or compile with "
+                          "int4_compute = \"w4a16\"")
 
     def write(tmp: Path):
         version = tmp / "1"

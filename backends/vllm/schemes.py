@@ -262,6 +262,15 @@ def check_dense_layers(config: ModelConfig, formats: dict[str, dict]) -> str | N
     return None
 
 
+def check_int4_compute(int4_compute: str, formats: dict) -> str | None:
+    """None unless the serving plan asks INT4 layers for int8 activations (W4A8), which vLLM's
+    compressed-tensors W4A16 kernels do not compute: refused rather than silently run as W4A16."""
+    if int4_compute == "w4a8" and any(f.get("format") == "int4" for f in formats.values()):
+        return ("a serving plan with int4_compute \"w4a8\": vLLM runs the checkpoint's INT4 layers on 16-bit "
+                "activations (W4A16); set the paged_kv pass's int4_compute = \"w4a16\"")
+    return None
+
+
 def check_plan(plan: DeploymentPlan) -> str | None:
     """What vLLM cannot run in a ``DeploymentPlan`` as a whole (a pipeline's before it runs, or an artifact's)."""
     config, dtype = plan.config, checkpoint_dtype(plan.dtype, plan.formats)
@@ -269,16 +278,17 @@ def check_plan(plan: DeploymentPlan) -> str | None:
         return why
     if "lm_head" in plan.formats:
         return "a quantized lm_head (qcompile exports lm_head in the model dtype); keep lm_head in modules_to_not_convert"
-    kv, kv_dtype = plan.kv_cache, (plan.serving or {}).get("kv_dtype", "auto")
+    serving = plan.serving or {}
+    kv, kv_dtype, int4_compute = plan.kv_cache, serving.get("kv_dtype", "auto"), serving.get("int4_compute", "w4a16")
     for name, options in plan.passes:  # a pipeline's FP8 KV cache and serving plan, before the passes run
         if name == "fp8" and getattr(options, "kv_cache_dtype", "none") != "none":
             kv = {"dtype": options.kv_cache_dtype, "granularity": options.kv_cache_granularity}
         if name == "paged_kv":
-            kv_dtype = options.kv_dtype
+            kv_dtype, int4_compute = options.kv_dtype, options.int4_compute
     experts = expert_linears(config) if config is not None else None
     return (check_fused(plan.formats) or check_experts(plan.formats, experts)
             or (check_dense_layers(config, plan.formats) if config is not None else None) or check_kv_cache(kv)
-            or check_kv_dtype(kv_dtype, dtype, kv))
+            or check_kv_dtype(kv_dtype, dtype, kv) or check_int4_compute(int4_compute, plan.formats))
 
 
 def kv_cache_scheme(entry: dict | None) -> dict | None:

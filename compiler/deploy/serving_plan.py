@@ -19,6 +19,8 @@ import torch
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
              "float8_e4m3fn": torch.float8_e4m3fn}
 
+INT4_COMPUTES = ("w4a16", "w4a8")
+
 
 @dataclass(frozen=True)
 class ServingPlan:
@@ -26,7 +28,11 @@ class ServingPlan:
     the artifact declares (``manifest["kv_cache"]``). ``num_blocks``, when set, wins over ``kv_memory_mb``.
     ``fuse_projections``: the engine runs q/k/v and gate/up as one matmul each (``compiler/model/fusion.py``).
     ``pack_cpu_weights``: on the CPU, float32 linear layers also keep a packed copy of their weight
-    for qcompile's dense kernel or oneDNN (``compiler/kernels/dense_cpu.py``: 4 bytes a weight more)."""
+    for qcompile's dense kernel or oneDNN (``compiler/kernels/dense_cpu.py``: 4 bytes a weight more).
+    ``int4_compute``: how INT4 layers compute on the CPU: "w4a16", the format's numerics (float
+    activations), or "w4a8", int8 activations per group and integer dot products
+    (``compiler/kernels/w4a8_cpu.py``: ~3x faster at 16 rows, the activations rounded to int8 as
+    ONNX Runtime's accuracy_level 4 and llama.cpp do)."""
 
     block_size: int = 16
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16", "float8_e4m3fn"] = "auto"
@@ -37,6 +43,7 @@ class ServingPlan:
     enable_prefix_caching: bool = True
     fuse_projections: bool = True
     pack_cpu_weights: bool = True
+    int4_compute: Literal["w4a16", "w4a8"] = "w4a16"
     version: int = 1
 
     def __post_init__(self):
@@ -50,6 +57,8 @@ class ServingPlan:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.int4_compute not in INT4_COMPUTES:
+            raise ValueError(f"int4_compute must be one of {', '.join(INT4_COMPUTES)}, got {self.int4_compute!r}")
         if self.version != 1:
             raise ValueError(f"serving plan version {self.version} is not supported (this qcompile writes 1); recompile")
 

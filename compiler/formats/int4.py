@@ -25,6 +25,9 @@ many float32 tokens qcompile's ``int4_dense_linear`` on the buffers themselves. 
 kernel cannot take says why in ``kernel_reason`` and runs ``reference_forward`` (unpack,
 dequantize, matmul), which is also what every kernel is tested against — or, on float32 outside
 autograd, ``int4_dense_linear``, the reference's arithmetic a panel at a time (~1e-7 apart).
+``use_w4a8()`` (the serving plan's ``int4_compute = "w4a8"``) puts a layer's CPU forwards on
+int8 activations instead, every row count (``compiler/kernels/w4a8_cpu.py``: a numerics change,
+asked for, never chosen silently).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 from compiler.formats.qlinear import QuantizedLinear, register_format
 from compiler.kernels import triton_available
 from compiler.kernels.dense_cpu import DerivedTensor
+from compiler.kernels import w4a8_cpu
 from compiler.kernels.int4_cpu import (
     ACTIVATION_DTYPES,
     KERNEL,
@@ -101,7 +105,7 @@ def _version(t: torch.Tensor) -> int:
 class Int4Linear(QuantizedLinear):
     """W4A16 linear layer in the layout above; ``forward`` matches ``nn.Linear``'s.
 
-    ``kernel`` names what a CPU forward runs (``KERNEL``, or ``"reference"``) and ``kernel_reason``
+    ``kernel`` names what a CPU forward runs (``KERNEL``, ``w4a8_cpu.KERNEL``, or ``"reference"``) and ``kernel_reason``
     why a layer cannot use the kernel (None when it can); ``fallbacks`` collects the reasons of
     calls that ran the reference anyway (e.g. float64 activations).
     """
@@ -123,6 +127,8 @@ class Int4Linear(QuantizedLinear):
         self._cpu_pack: Int4CpuPack | None = None  # derived, never saved: see cpu_pack()
         self._cpu_pack_source: tuple | None = None  # the buffers it was built from, and their versions
         self._float_zeros = DerivedTensor()  # never saved: see float_zeros()
+        self._w4a8 = False  # CPU forwards on int8 activations: see use_w4a8()
+        self._w4a8_pack = DerivedTensor()  # never saved: see w4a8_pack()
 
     @property
     def n_blocks(self) -> int:
@@ -176,6 +182,8 @@ class Int4Linear(QuantizedLinear):
                 return w4a16_matmul(x, self.qweight, self.scales, self.qzeros, self.in_features, self.group_size, bias)
             w = w4_dequantize(self.qweight, self.scales, self.qzeros, self.in_features, self.group_size, x.dtype)
             return F.linear(x, w, bias)
+        if self._w4a8 and self._runs_w4a8(x):
+            return w4a8_cpu.w4a8_matmul(x, self.w4a8_pack(), self._buffers["bias"])
         if self._runs_cpu_kernel(x):
             return int4_cpu_matmul(x, self.cpu_pack(), self._buffers["bias"])
         if self._runs_dense_kernel(x):
@@ -200,6 +208,35 @@ class Int4Linear(QuantizedLinear):
             return True
         self.fallbacks.add(activation_unsupported_reason(x))
         return False
+
+    def use_w4a8(self, enabled: bool = True) -> str | None:
+        """Run this layer's CPU forwards on int8 activations (W4A8, ``compiler/kernels/w4a8_cpu.py``:
+        a numerics change the serving plan asks for, ``int4_compute = "w4a8"``), or back on the
+        format's W4A16. Returns why the layer cannot (it then stays W4A16), else None."""
+        why = (w4a8_cpu.w4a8_unavailable_reason() or w4a8_cpu.layer_unsupported_reason(self.group_size)) if enabled else None
+        self._w4a8 = enabled and why is None
+        if self._w4a8:
+            self.kernel, self.kernel_reason = w4a8_cpu.KERNEL, None
+        else:
+            self.kernel_reason = layer_unsupported_reason(self.out_features, self.n_blocks * self.group_size, self.group_size)
+            self.kernel = "reference" if self.kernel_reason else KERNEL
+        return why
+
+    def _runs_w4a8(self, x: torch.Tensor) -> bool:
+        if x.is_cpu and x.dtype in w4a8_cpu.ACTIVATION_DTYPES and kernel_enabled():
+            return not (x.requires_grad and torch.is_grad_enabled())  # the kernel has no backward
+        return False
+
+    def w4a8_pack(self) -> w4a8_cpu.W4A8Pack:
+        """The weights in ``w4a8_linear``'s layout, kept (never saved) until a buffer changes."""
+        buffers = self._buffers
+        qweight, scales, qzeros = buffers["qweight"], buffers["scales"], buffers["qzeros"]
+
+        def build():
+            q, zero = self.codes()
+            return w4a8_cpu.pack_w4a8(q, scales, zero, self.group_size)
+
+        return self._w4a8_pack.get((qweight, scales, qzeros), build)
 
     def float_zeros(self) -> torch.Tensor:
         """The zero points unpacked, float32 [N, n_blocks], for ``int4_dense_linear``: kept (never

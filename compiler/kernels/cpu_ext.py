@@ -35,6 +35,10 @@
   ``int4_dense_linear(x, codes, scales, zeros, group_size, bias)``: an ``Int4Linear``'s many-token
   float32 forward on its own buffers, the dequantize reference's weights built a panel at a time
   for those tiles (``compiler/kernels/int4_cpu.py``).
+- ``w4a8_linear(x, packed, scales, zero_scales, group_size, out_features, bias)``: an INT4 layer on
+  int8 activations (W4A8: each row quantized per group, integer dot products with AVX512-VNNI,
+  ``w4a8_available()``), ``compiler/kernels/w4a8_cpu.py``'s packing; within ~1e-7 of its torch
+  reference ``w4a8_reference``.
 
 torch builds the library with its C++ toolchain (``torch.utils.cpp_extension``: a C++ compiler and
 ``ninja``) into its extensions cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),

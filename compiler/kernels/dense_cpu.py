@@ -86,9 +86,9 @@ def packed_from_rows() -> int:
 
 
 class DerivedTensor:
-    """A tensor computed from source tensors and kept (never saved) until a source is replaced or
-    written in place; then the next ``get`` computes it again. Serves the packed weight here and
-    ``Fp8Linear``'s float32 copy of its codes."""
+    """A tensor (or tensors) computed from source tensors and kept (never saved) until a source is
+    replaced or written in place; then the next ``get`` computes it again. Serves the packed weight
+    here, ``Fp8Linear``'s float32 copy of its codes and ``Int4Linear``'s packed copies."""
 
     def __init__(self):
         self.value: torch.Tensor | None = None

@@ -47,6 +47,8 @@ def run_cmd(
     stream: bool = typer.Option(True, "--stream/--no-stream", help="triton-http: --no-stream uses /generate (one response; TTFT = latency)."),
     goodput: list[str] = typer.Option([], help="SLOs in ms, a comma list: time_to_first_token:200,request_latency:2000."),
     seed: int = typer.Option(0, help="Seed of the workload and the arrivals."),
+    int4_compute: Optional[str] = typer.Option(None, help="Artifact targets: how INT4 layers compute on the CPU, w4a16 "
+                                                         "(the format) or w4a8 (int8 activations, faster); default: the artifact's plan."),
     as_json: bool = json_option(),
     output_json: Optional[Path] = output_json_option(),
     output_csv: Optional[Path] = typer.Option(None, help="Write one CSV row per load point here."),
@@ -63,7 +65,8 @@ def run_cmd(
                               corpus, prompts, shared_prefix, seed)
     loads = load_points(parse_list(concurrency, int, "--concurrency"), parse_list(request_rate, float, "--request-rate"),
                         num_requests, duration, warmup, seed)
-    result = run_benchmark(target, workload, loads, repeat, parse_slos(",".join(goodput)), tokenizer, stream)
+    result = run_benchmark(target, workload, loads, repeat, parse_slos(",".join(goodput)), tokenizer, stream,
+                           {"int4_compute": int4_compute} if int4_compute else None)
     notes = err if as_json else out
     emit(json_safe(result), as_json, output_json, lambda: print_result(result))
     if result["interrupted"]:

@@ -22,6 +22,8 @@ def generate_cmd(
     stop: list[str] = typer.Option([], "--stop", help="Stop string; repeat the flag for more (not a comma list: a stop string may hold a comma)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep going past the end-of-sequence token."),
     device: Optional[str] = device_option(None, " (default: cuda when available, else cpu)"),
+    int4_compute: Optional[str] = typer.Option(None, help="How INT4 layers compute on the CPU: w4a16 (the format) or "
+                                                         "w4a8 (int8 activations, faster); default: the artifact's plan."),
 ):
     """Generate a completion of PROMPT with ARTIFACT, streamed as it is produced."""
     from rich.markup import escape
@@ -30,7 +32,7 @@ def generate_cmd(
     from qcompile.cli.console import out as console
     from serving.engine import Engine
 
-    engine = Engine.from_artifact(artifact, check_device(device))
+    engine = Engine.from_artifact(artifact, check_device(device), **({"int4_compute": int4_compute} if int4_compute else {}))
 
     async def run() -> tuple[int, str, float | None]:
         n, reason, first = 0, "", None
@@ -48,4 +50,5 @@ def generate_cmd(
     elapsed = time.perf_counter() - start
     console.print()
     err.print(f"[dim]{n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s, first token {1000 * (ttft or 0):.0f} ms), finish: {reason}, "
-              f"decode attention: {escape(engine.decode_attention)}[/dim]")
+              f"decode attention: {escape(engine.decode_attention)}"
+              f"{', INT4: ' + engine.int4['compute'] if engine.int4 else ''}[/dim]")

@@ -40,9 +40,11 @@ def load_points(concurrencies: list[int] = (), request_rates: list[float] = (), 
 
 
 def run_benchmark(target: str, workload: WorkloadConfig, loads: list[LoadConfig], repeat: int = 1,
-                  slos: dict | None = None, tokenizer: Path | None = None, stream: bool = True) -> dict:
+                  slos: dict | None = None, tokenizer: Path | None = None, stream: bool = True,
+                  engine_plan: dict | None = None) -> dict:
     """Benchmark ``target`` (an artifact, ONNX or Ascend bundle, or ``triton-grpc://`` / ``triton-http://``
     URL) at each load point, ``repeat`` trials each; the result document (``serving.bench.suite``).
+    ``engine_plan``: serving-plan settings over an artifact's own (the in-process engine only).
 
     Ctrl-C stops the sweep and keeps what finished (``interrupted`` is then true). Raises
     ``BenchError`` when no request finished, or when every request of a load point failed."""
@@ -51,12 +53,13 @@ def run_benchmark(target: str, workload: WorkloadConfig, loads: list[LoadConfig]
     targets.check_stream(parsed, stream)
     count = max([load.num_requests or 0 for load in loads] + [64])
     requests = build_requests(workload, targets.target_tokenizer(parsed, tokenizer), count)
-    adapter = targets.open_adapter(parsed, stream)
+    adapter = targets.open_adapter(parsed, stream, engine_plan)
     runs, interrupted = asyncio.run(_sweep_with_progress(adapter, requests, loads, repeat, slos))
     if not runs:
         raise BenchError("no request finished; nothing was measured")
     result = make_result(target, getattr(adapter, "name", type(adapter).__name__), environment(targets.artifact_dir(parsed)),
-                         {**workload.describe(), "repeat": repeat, "stream": stream}, slos, runs, interrupted)
+                         {**workload.describe(), "repeat": repeat, "stream": stream,
+                          **({"engine_plan": engine_plan} if engine_plan else {})}, slos, runs, interrupted)
     _check_failures(result)
     return result
 

@@ -86,10 +86,16 @@ def _import(module: str, attr: str, what: str):
                          "install or merge the serving adapter for it, or bench another target") from None
 
 
-def open_adapter(target: Target, stream: bool = True):
-    """A ``ServingAdapter`` for ``target`` (the caller closes it); ``stream=False``: HTTP's one-response ``/generate``."""
+def open_adapter(target: Target, stream: bool = True, engine_plan: dict | None = None):
+    """A ``ServingAdapter`` for ``target`` (the caller closes it); ``stream=False``: HTTP's one-response ``/generate``;
+    ``engine_plan``: serving-plan settings over an artifact's own (e.g. ``{"int4_compute": "w4a8"}``)."""
+    if engine_plan and target.kind != "engine":
+        options = ", ".join(f"--{k.replace('_', '-')}" for k in engine_plan)
+        raise BenchError(f"{options}: a setting of the in-process engine, for artifact targets only; "
+                         f"a {target.kind} target computes as it was built")
     if target.kind == "engine":
-        return _import("serving.adapters.engine", "EngineAdapter", "in-process engine").from_artifact(target.path)
+        return _import("serving.adapters.engine", "EngineAdapter", "in-process engine").from_artifact(target.path,
+                                                                                                      **(engine_plan or {}))
     if target.kind == "triton-grpc":
         return _import("serving.adapters.triton_grpc", "TritonGrpcAdapter", "Triton gRPC")(target.url, target.model)
     if target.kind == "triton-http":

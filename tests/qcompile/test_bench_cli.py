@@ -81,7 +81,7 @@ def fake_target(tmp_path, byte_tokenizer, monkeypatch):
     import serving.bench.targets as bench_targets
 
     doubles = []
-    monkeypatch.setattr(bench_targets, "open_adapter", lambda t, stream=True: doubles.append(SleepingAdapter(0.002)) or doubles[-1])
+    monkeypatch.setattr(bench_targets, "open_adapter", lambda t, stream=True, engine_plan=None: doubles.append(SleepingAdapter(0.002)) or doubles[-1])
     return target, doubles
 
 
@@ -194,7 +194,7 @@ def test_ctrl_c_stops_cleanly_and_writes_what_was_measured(fake_target, tmp_path
     tests_dir = Path(__file__).resolve().parents[1]
     script = ("import sys; sys.path.insert(0, %r)\n"
               "import serving.bench.targets as t; from bench_doubles import SleepingAdapter\n"
-              "t.open_adapter = lambda target, stream=True: (open(%r, 'w').close(), SleepingAdapter(0.05))[1]\n"
+              "t.open_adapter = lambda target, stream=True, engine_plan=None: (open(%r, 'w').close(), SleepingAdapter(0.05))[1]\n"
               "from qcompile.cli import main; main()" % (str(tests_dir), str(tmp_path / "started")))
     env = {**os.environ, "PYTHONPATH": f"{tests_dir.parent}:{os.environ.get('PYTHONPATH', '')}", "QCOMPILE_PROGRESS": "0"}
     proc = subprocess.Popen([sys.executable, "-c", script, "bench", str(target), "--num-requests", "1000", "--warmup", "0",

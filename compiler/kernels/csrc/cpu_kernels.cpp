@@ -14,6 +14,7 @@
 // dense_linear: a float32 linear layer on its weight packed once in blocks of 16 output channels,
 //   the sums of each tile in registers over the whole of K (where the CPU has AVX-512);
 //   int4_dense_linear: an INT4 layer's prefill, its weights dequantized into such blocks as it goes.
+// w4a8_linear: an INT4 layer on int8 activations (W4A8), integer dot products (AVX512-VNNI).
 //
 // rms_norm, rope_qk, silu_mul: the decoder layer's RMSNorm, rotary embedding and SwiGLU, one op each
 //   (compiler/model/layers.py); int4_linear: Int4Linear's bfloat16 casts, padding, torch's INT4 kernel
@@ -647,6 +648,156 @@ at::Tensor int4_dense_linear(const at::Tensor& x, const at::Tensor& codes, const
 #endif
 }
 
+// INT4 weights times int8 activations (W4A8), the integer arithmetic of ONNX Runtime's MatMulNBits
+// at accuracy_level 4 and of llama.cpp's Q4 dot products: each row's activations are quantized to
+// int8 per group of the weight's K (symmetric, scale = the group's largest |a| / 127), VNNI
+// (vpdpbusd) multiplies the 4-bit codes by them exactly in int32 over a group, and the float32
+// sums take both scales once a group: y = sum_g s_w s_a (sum q a_q - z sum a_q). Four products per
+// 32-bit lane and instruction where float32 has one. compiler/kernels/w4a8_cpu.py packs the weight
+// and says when the engine runs this (never without being asked: it rounds the activations).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kW4A8 = true;
+
+struct W4A8Gemm {
+  const int8_t* qa;     // [M, Kp] the activations' int8 codes, zero past K
+  const float* sa;      // [M, G] each row's scale for each group
+  const float* sa_sum;  // [M, G] that scale times the group's sum of codes (what a zero point subtracts)
+  int64_t M, Kp, G, group;
+  const uint8_t* w;     // [NB, Kp / 8, 16, 4]: channel c's k0..k0+3 in the low nibbles, k0+4..k0+7 high
+  const float* ws;      // [NB, G, 16] weight scales
+  const float* wzs;     // [NB, G, 16] zero point times scale
+  const float* bias;    // [N] or null
+  float* y;             // [M, N]
+  int64_t N;
+};
+
+// Rows m0..m0+MB-1 of block b (16 channels): MB int32 sums over a group, MB float32 sums over K, all
+// in registers (one block: more would spill them, measured slower at 16 rows).
+template <int MB>
+void w4a8_tile(const W4A8Gemm& g, int64_t b, int64_t m0) {
+  const int64_t K8 = g.Kp / 8, steps = g.group / 8;
+  const uint8_t* w = g.w + b * K8 * 64;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 f[MB];
+  for (int m = 0; m < MB; ++m) f[m] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < g.G; ++gi) {
+    __m512i acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_si512();
+    for (int64_t k8 = gi * steps; k8 < (gi + 1) * steps; ++k8) {
+      const __m512i v = _mm512_loadu_si512(w + k8 * 64);
+      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* a = g.qa + (m0 + m) * g.Kp + k8 * 8;
+        int32_t a0, a1;
+        std::memcpy(&a0, a, 4);
+        std::memcpy(&a1, a + 4, 4);
+        acc[m] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[m], lo, _mm512_set1_epi32(a0)), hi, _mm512_set1_epi32(a1));
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(g.ws + (b * g.G + gi) * 16), zs = _mm512_loadu_ps(g.wzs + (b * g.G + gi) * 16);
+    for (int m = 0; m < MB; ++m) {
+      const int64_t at = (m0 + m) * g.G + gi;
+      f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_mul_ps(s, _mm512_set1_ps(g.sa[at])), f[m]);
+      f[m] = _mm512_fnmadd_ps(zs, _mm512_set1_ps(g.sa_sum[at]), f[m]);
+    }
+  }
+  const int64_t n = b * 16, count = std::min<int64_t>(16, g.N - n);
+  const __mmask16 mask = count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+  const __m512 bias = g.bias ? _mm512_maskz_loadu_ps(mask, g.bias + n) : _mm512_setzero_ps();
+  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(g.y + (m0 + m) * g.N + n, mask, _mm512_add_ps(f[m], bias));
+}
+
+void w4a8_rows(const W4A8Gemm& g, int64_t b) {
+  using Tile = void (*)(const W4A8Gemm&, int64_t, int64_t);
+  static constexpr Tile tiles[] = {nullptr, w4a8_tile<1>, w4a8_tile<2>, w4a8_tile<3>, w4a8_tile<4>,
+                                   w4a8_tile<5>, w4a8_tile<6>, w4a8_tile<7>, w4a8_tile<8>};
+  for (int64_t m = 0; m < g.M; m += 8) tiles[std::min<int64_t>(8, g.M - m)](g, b, m);
+}
+
+// One group of a row (len values, then zeros up to group) as int8 codes rounded to nearest (ties to
+// even, as torch.round), its scale and scale x sum of codes. A group holding NaN or inf gets a NaN
+// scale, so that the row's outputs are NaN, never a finite guess.
+void quantize_group_int8(const float* x, int64_t len, int64_t group, int8_t* q, float* scale, float* scale_sum) {
+  const float amax = len > 0 ? row_amax(x, len) : 0.f;
+  std::memset(q, 0, group);
+  if (!std::isfinite(amax)) {
+    *scale = *scale_sum = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  if (amax == 0.f) {
+    *scale = *scale_sum = 0.f;
+    return;
+  }
+  const float inv = 127.f / amax;
+  int64_t i = 0;
+  __m512i sums = _mm512_setzero_si512();
+  for (; i + 16 <= len; i += 16) {
+    const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(inv)));
+    sums = _mm512_add_epi32(sums, c);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(c));
+  }
+  int32_t sum = _mm512_reduce_add_epi32(sums);
+  for (; i < len; ++i) {
+    const int32_t c = static_cast<int32_t>(std::nearbyint(x[i] * inv));
+    q[i] = static_cast<int8_t>(c);
+    sum += c;
+  }
+  *scale = amax / 127.f;
+  *scale_sum = *scale * static_cast<float>(sum);
+}
+#else
+constexpr bool kW4A8 = false;
+#endif
+
+bool w4a8_available() { return kW4A8; }
+
+// x [..., K] float32 times a W4A8-packed INT4 weight (w4a8_cpu.pack_w4a8) of N outputs, plus the bias.
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& zero_scales, int64_t group_size, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const int64_t K = x.size(-1), N = out_features, NB = (N + 15) / 16;
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0, "group_size must be a positive multiple of 8");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(0) == NB && packed.size(2) == 16 &&
+              packed.size(3) == 4 && packed.is_contiguous() && (packed.size(1) * 8) % group_size == 0 &&
+              K <= packed.size(1) * 8,
+              "packed must be pack_w4a8's uint8 [ceil(N/16), K_pad/8, 16, 4] covering x's K");
+  const int64_t Kp = packed.size(1) * 8, G = Kp / group_size;
+  for (const at::Tensor* t : {&scales, &zero_scales})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == NB &&
+                t->size(1) == G && t->size(2) == 16, "scales and zero_scales must be float32 [ceil(N/16), n_groups, 16]");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N), "bias must be float32 [N]");
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  at::Tensor qa = at::empty({M, Kp}, x.options().dtype(at::kChar));
+  at::Tensor sa = at::empty({2, M, G}, x.options());  // the scales, then scale x sum of codes
+  const float* xp = x2.data_ptr<float>();
+  int8_t* qp = qa.data_ptr<int8_t>();
+  float* sp = sa.data_ptr<float>();
+  at::parallel_for(0, M * G, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / G, k0 = (i % G) * group_size;
+      quantize_group_int8(xp + r * K + k0, std::clamp<int64_t>(K - k0, 0, group_size), group_size, qp + r * Kp + k0,
+                          sp + i, sp + M * G + i);
+    }
+  });
+  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const W4A8Gemm g{qp, sp, sp + M * G, M, Kp, G, group_size, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                   zero_scales.data_ptr<float>(), bias ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), N};
+  if (M > 0 && N > 0)
+    at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t blk = begin; blk < end; ++blk) w4a8_rows(g, blk);
+    });
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return y.view(shape);
+#else
+  TORCH_CHECK(false, "w4a8_linear needs AVX512-VNNI, which this build's CPU lacks (w4a8_available())");
+#endif
+}
+
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                         const c10::optional<at::Tensor>& bias) {
 #if defined(__AVX512F__)
@@ -1027,6 +1178,9 @@ TORCH_LIBRARY(qcompile_cpu, m) {
   m.def("dense_gemm_available() -> bool", &dense_gemm_available);
   m.def("dense_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("int4_dense_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group_size, Tensor? bias) -> Tensor");
+  m.def("w4a8_available() -> bool", &w4a8_available);
+  m.def("w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor zero_scales, int group_size, int out_features, "
+        "Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor weight, int group_size, Tensor scales_and_zeros, int padded_in_features, "
         "Tensor? bias) -> Tensor");
 }
@@ -1042,6 +1196,7 @@ TORCH_LIBRARY_IMPL(qcompile_cpu, CPU, m) {
   m.impl("fp8_linear_codes", &fp8_linear_codes);
   m.impl("dense_linear", &dense_linear);
   m.impl("int4_dense_linear", &int4_dense_linear);
+  m.impl("w4a8_linear", &w4a8_linear);
 }
 
 // A oneDNN-packed weight is an MkldnnCPU tensor, which makes that the dispatch key of the call.

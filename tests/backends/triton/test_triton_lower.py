@@ -133,3 +133,14 @@ def test_prepared_server_venv_has_numpy_1_and_the_project_env():
     out = subprocess.run([str(home / "venv" / "bin" / "python"), "-c", "import numpy, torch; print(numpy.__version__)"],
                          capture_output=True, text=True, check=True, timeout=300).stdout
     assert out.strip().startswith("1.26")
+
+
+def test_a_w4a8_plan_lowers_for_the_cpu_only(artifact, tmp_path):
+    """int4_compute "w4a8" is a CPU kernel of the engine: a GPU repository would not run it, so it is refused."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    manifest["serving"] = {**manifest.get("serving", {}), "int4_compute": "w4a8"}
+    rewrite_manifest(artifact, manifest)
+    with pytest.raises(ConfigError, match="int4_compute .w4a8.*--device cpu"):
+        lower(artifact, "triton", tmp_path / "repo", {"name": "m", "device": "cuda"})
+    assert not (tmp_path / "repo" / "m").exists()
+    assert lower(artifact, "triton", tmp_path / "repo", {"name": "m"}).is_dir()

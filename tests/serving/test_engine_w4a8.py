@@ -1,0 +1,92 @@
+"""The serving plan's ``int4_compute``: the engine puts every INT4 layer on int8 activations (W4A8)
+when asked, says so, keeps greedy parity with the same layers outside the engine, and refuses W4A8
+where it cannot run it; the targets that cannot compute W4A8 refuse such a plan."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiler.errors import ConfigError
+from compiler.formats.int4 import Int4Linear
+from compiler.io.load import load_checkpoint
+from compiler.kernels import w4a8_cpu
+from serving.engine import Engine
+from serving.engine_setup import set_int4_compute
+from serving.types import SamplingParams
+
+needs_kernel = pytest.mark.skipif(w4a8_cpu.w4a8_unavailable_reason() is not None,
+                                  reason=f"w4a8_linear cannot run here: {w4a8_cpu.w4a8_unavailable_reason()}")
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture
+def int4_model(tiny_checkpoint):
+    """A tiny llama whose decoder projections are INT4 (round to nearest, group 32)."""
+    path, _ = tiny_checkpoint("llama")
+    loaded = load_checkpoint(path)
+    for layer in loaded.model.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for name in names:
+                setattr(parent, name, Int4Linear.from_float(getattr(parent, name), 32))
+    return loaded
+
+
+def greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    rids = [engine.add_request(prompt_token_ids=p, params=GREEDY) for p in prompts]
+    outs = {rid: [] for rid in rids}
+    while engine.has_unfinished():
+        for rid, event in engine.step().items():
+            outs[rid].extend(event.token_ids)
+    return [outs[rid] for rid in rids]
+
+
+@needs_kernel
+def test_the_engine_runs_w4a8_when_the_plan_asks_and_keeps_greedy_parity(int4_model):
+    prompts = [[5, 9, 17, 3, 44], list(range(3, 30)), [7] * 9]
+    reference = Engine.from_loaded(int4_model, "cpu", block_size=4, num_blocks=64, int4_compute="w4a16")
+    assert reference.int4 == {"compute": "w4a16", "layers": 4 * reference.config.n_layers}  # fused q/k/v and gate/up
+    w4a16_tokens = greedy(reference, prompts)
+    engine = Engine.from_loaded(int4_model, "cpu", block_size=4, num_blocks=64, int4_compute="w4a8")
+    assert engine.int4["compute"] == "w4a8" and engine.int4["layers"] == 4 * engine.config.n_layers
+    assert engine.int4["kernel"] == w4a8_cpu.KERNEL and not engine.int4["w4a16"]
+    assert all(m.kernel == w4a8_cpu.KERNEL for m in engine.model.modules() if isinstance(m, Int4Linear))
+    # the same W4A8 layers outside the engine (contiguous cache, one sequence at a time)
+    want = [engine.model.generate(torch.tensor([p]), GREEDY.max_tokens)[0, len(p):].tolist() for p in prompts]
+    assert greedy(engine, prompts) == want
+    print(f"W4A8 greedy tokens equal to W4A16's: {sum(a == b for w, g in zip(w4a16_tokens, want) for a, b in zip(w, g))}"
+          f" of {len(prompts) * GREEDY.max_tokens}")
+
+
+def test_w4a8_where_it_cannot_run_is_a_clear_error(int4_model, monkeypatch):
+    with pytest.raises(ConfigError, match="is a CPU kernel; on cuda INT4 runs W4A16"):
+        set_int4_compute(int4_model.model, "w4a8", torch.device("cuda"))
+    monkeypatch.setattr(w4a8_cpu, "w4a8_unavailable_reason", lambda: "no AVX512-VNNI")
+    with pytest.raises(ConfigError, match="cannot run here: no AVX512-VNNI; serve with int4_compute = .w4a16."):
+        Engine.from_loaded(int4_model, "cpu", block_size=4, num_blocks=64, int4_compute="w4a8")
+    with pytest.raises(ConfigError, match="int4_compute must be one of w4a16, w4a8"):
+        Engine.from_loaded(int4_model, "cpu", block_size=4, num_blocks=64, int4_compute="w4a4")
+
+
+def test_a_float_model_has_no_int4_report(tiny_checkpoint):
+    path, _ = tiny_checkpoint("llama")
+    assert Engine.from_loaded(load_checkpoint(path), "cpu", block_size=4, num_blocks=32, int4_compute="w4a8").int4 == {}
+
+
+def test_vllm_refuses_a_w4a8_plan_for_int4_layers():
+    from backends.vllm.schemes import check_plan
+    from compiler.deploy.targets import DeploymentPlan
+
+    int4 = {"format": "int4", "group_size": 128, "zero_point": True}
+    formats = {f"layers.0.mlp.{name}": int4 for name in ("gate_proj", "up_proj")}
+    why = check_plan(DeploymentPlan("float16", formats, serving={"int4_compute": "w4a8"}))
+    assert why and "int4_compute \"w4a8\"" in why and "W4A16" in why
+    assert check_plan(DeploymentPlan("float16", formats, serving={"int4_compute": "w4a16"})) is None
+
+
+def test_bench_refuses_engine_settings_for_other_targets(tmp_path):
+    from serving.bench.errors import BenchError
+    from serving.bench.targets import Target, open_adapter
+
+    with pytest.raises(BenchError, match="--int4-compute: a setting of the in-process engine, for artifact targets only"):
+        open_adapter(Target("onnx", str(tmp_path), path=tmp_path), engine_plan={"int4_compute": "w4a8"})
