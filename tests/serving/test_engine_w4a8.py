@@ -90,3 +90,24 @@ def test_bench_refuses_engine_settings_for_other_targets(tmp_path):
 
     with pytest.raises(BenchError, match="--int4-compute: a setting of the in-process engine, for artifact targets only"):
         open_adapter(Target("onnx", str(tmp_path), path=tmp_path), engine_plan={"int4_compute": "w4a8"})
+
+
+def test_a_pipeline_declares_w4a8_in_its_plan_and_vllm_refuses_it_before_running():
+    import backends  # noqa: F401  (registers the vllm target)
+    import passes  # noqa: F401  (registers the passes)
+    from compiler.model.config import ModelConfig
+    from compiler.pipeline import Pipeline, PipelineConfig
+
+    smollm2_like = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, dim=576, n_layers=2, n_heads=9,
+                               n_kv_heads=3, intermediate_size=1536)
+
+    def config(compute: str, target: str | None = None) -> PipelineConfig:
+        d = {"calibration": {"samples": 4, "seq_len": 64},
+             "passes": [{"name": "awq", "group_size": 64}, {"name": "paged_kv", "int4_compute": compute}]}
+        return PipelineConfig.from_dict({**d, **({"target": {"name": target}} if target else {})})
+
+    assert Pipeline(config("w4a8")).validate(smollm2_like)
+    with pytest.raises(ConfigError, match="int4_compute"):
+        Pipeline(config("w4a4")).validate(smollm2_like)
+    with pytest.raises(ConfigError, match="target 'vllm' cannot run a serving plan with int4_compute .w4a8."):
+        Pipeline(config("w4a8", "vllm")).validate(smollm2_like)
