@@ -31,8 +31,8 @@ class ServingPlan:
     for qcompile's dense kernel or oneDNN (``compiler/kernels/dense_cpu.py``: 4 bytes a weight more).
     ``int4_compute``: how INT4 layers compute on the CPU: "w4a16", the format's numerics (float
     activations), or "w4a8", int8 activations per group and integer dot products
-    (``compiler/kernels/w4a8_cpu.py``: ~3x faster at 16 rows, the activations rounded to int8 as
-    ONNX Runtime's accuracy_level 4 and llama.cpp do)."""
+    (``compiler/kernels/w4a8_cpu.py``: 2.3x W4A16's speed at 16 rows, the activations rounded to
+    int8 as ONNX Runtime's accuracy_level 4 and llama.cpp do)."""
 
     block_size: int = 16
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16", "float8_e4m3fn"] = "auto"

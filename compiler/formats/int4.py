@@ -38,9 +38,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compiler.formats.qlinear import QuantizedLinear, register_format
-from compiler.kernels import triton_available
+from compiler.kernels import triton_available, w4a8_cpu
 from compiler.kernels.dense_cpu import DerivedTensor
-from compiler.kernels import w4a8_cpu
 from compiler.kernels.int4_cpu import (
     ACTIVATION_DTYPES,
     KERNEL,
@@ -121,8 +120,7 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales", scales)
         self.register_buffer("qzeros", qzeros)
         self.register_buffer("bias", bias)
-        self.kernel_reason = layer_unsupported_reason(out_features, qweight.shape[1] * group_size, group_size)
-        self.kernel = "reference" if self.kernel_reason else KERNEL
+        self.kernel, self.kernel_reason = self._w4a16_kernel()
         self.fallbacks: set[str] = set()
         self._cpu_pack: Int4CpuPack | None = None  # derived, never saved: see cpu_pack()
         self._cpu_pack_source: tuple | None = None  # the buffers it was built from, and their versions
@@ -215,12 +213,13 @@ class Int4Linear(QuantizedLinear):
         format's W4A16. Returns why the layer cannot (it then stays W4A16), else None."""
         why = (w4a8_cpu.w4a8_unavailable_reason() or w4a8_cpu.layer_unsupported_reason(self.group_size)) if enabled else None
         self._w4a8 = enabled and why is None
-        if self._w4a8:
-            self.kernel, self.kernel_reason = w4a8_cpu.KERNEL, None
-        else:
-            self.kernel_reason = layer_unsupported_reason(self.out_features, self.n_blocks * self.group_size, self.group_size)
-            self.kernel = "reference" if self.kernel_reason else KERNEL
+        self.kernel, self.kernel_reason = (w4a8_cpu.KERNEL, None) if self._w4a8 else self._w4a16_kernel()
         return why
+
+    def _w4a16_kernel(self) -> tuple[str, str | None]:
+        """(what a W4A16 CPU forward runs, why not torch's kernel or None)."""
+        why = layer_unsupported_reason(self.out_features, self.n_blocks * self.group_size, self.group_size)
+        return ("reference" if why else KERNEL), why
 
     def _runs_w4a8(self, x: torch.Tensor) -> bool:
         if x.is_cpu and x.dtype in w4a8_cpu.ACTIVATION_DTYPES and kernel_enabled():

@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from compiler.kernels.cpu_ext import cpu_kernels, cpu_kernels_status
+from compiler.kernels.int4_cpu import ENV_SWITCH  # INT4's CPU kernels off for a process: the reference runs
 
 KERNEL = "qcompile w4a8_linear"
-ENV_SWITCH = "QCOMPILE_INT4_CPU_KERNEL"  # int4_cpu's: INT4's kernels off for a process, the reference on
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK = 16  # output channels per packed block: one 512-bit vector of int32 sums
 INT8_MAX = 127.0

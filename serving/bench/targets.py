@@ -92,7 +92,7 @@ def open_adapter(target: Target, stream: bool = True, engine_plan: dict | None =
     if engine_plan and target.kind != "engine":
         options = ", ".join(f"--{k.replace('_', '-')}" for k in engine_plan)
         raise BenchError(f"{options}: a setting of the in-process engine, for artifact targets only; "
-                         f"a {target.kind} target computes as it was built")
+                         f"this {target.kind} target computes as it was built")
     if target.kind == "engine":
         return _import("serving.adapters.engine", "EngineAdapter", "in-process engine").from_artifact(target.path,
                                                                                                       **(engine_plan or {}))
