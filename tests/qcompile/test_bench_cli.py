@@ -81,8 +81,24 @@ def fake_target(tmp_path, byte_tokenizer, monkeypatch):
     import serving.bench.targets as bench_targets
 
     doubles = []
-    monkeypatch.setattr(bench_targets, "open_adapter", lambda t, stream=True, engine_plan=None: doubles.append(SleepingAdapter(0.002)) or doubles[-1])
+
+    def open_double(t, stream=True, engine_plan=None):
+        doubles.append(SleepingAdapter(0.002))
+        doubles[-1].engine_plan = engine_plan
+        return doubles[-1]
+
+    monkeypatch.setattr(bench_targets, "open_adapter", open_double)
     return target, doubles
+
+
+def test_int4_compute_reaches_the_engine_and_the_result(fake_target, tmp_path, monkeypatch, capsys):
+    target, doubles = fake_target
+    code, _, stderr = _cli(monkeypatch, capsys, "bench", str(target), "--num-requests", "2", "--prompt-len", "8",
+                           "--output-len", "2", "--warmup", "0", "--int4-compute", "w4a8",
+                           "--output-json", str(tmp_path / "r.json"))
+    assert code == 0, stderr
+    assert doubles[0].engine_plan == {"int4_compute": "w4a8"}
+    assert json.loads((tmp_path / "r.json").read_text())["workload"]["engine_plan"] == {"int4_compute": "w4a8"}
 
 
 def test_bench_cli_writes_json_csv_markdown_plots(fake_target, tmp_path, monkeypatch, capsys):
