@@ -26,20 +26,21 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from calib import SPLITS, evaluation_windows  # noqa: E402
-from compiler.formats.int4 import Int4Linear  # noqa: E402
 from compiler.io.artifact import load_artifact  # noqa: E402
 from compiler.io.load import load_checkpoint  # noqa: E402
 from compiler.kernels.w4a8_cpu import w4a8_unavailable_reason  # noqa: E402
 from compiler.pipeline.evaluate import corpus_split  # noqa: E402
 from passes.distill.evaluate import compare_on_windows, teacher_logits  # noqa: E402
+from serving.engine_setup import set_int4_compute  # noqa: E402
 
 
 def with_w4a8(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` with every INT4 layer on int8 activations; refuses a layer that cannot."""
+    """A copy of ``model`` with every INT4 layer on int8 activations, as the engine puts them
+    (``set_int4_compute``); refuses a model where a layer cannot."""
     model = copy.deepcopy(model)
-    for name, layer in model.named_modules():
-        if isinstance(layer, Int4Linear) and (why := layer.use_w4a8()):
-            raise SystemExit(f"{name}: cannot run W4A8: {why}")
+    report = set_int4_compute(model, "w4a8", torch.device("cpu"))
+    if report.get("w4a16"):
+        raise SystemExit(f"layers that cannot run W4A8: {report['w4a16']}")
     return model
 
 

@@ -768,31 +768,25 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == NB &&
                 t->size(1) == G && t->size(2) == 16, "scales and zero_scales must be float32 [ceil(N/16), n_groups, 16]");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N), "bias must be float32 [N]");
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  at::Tensor qa = at::empty({M, Kp}, x.options().dtype(at::kChar));
-  at::Tensor sa = at::empty({2, M, G}, x.options());  // the scales, then scale x sum of codes
-  const float* xp = x2.data_ptr<float>();
-  int8_t* qp = qa.data_ptr<int8_t>();
-  float* sp = sa.data_ptr<float>();
-  at::parallel_for(0, M * G, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = i / G, k0 = (i % G) * group_size;
-      quantize_group_int8(xp + r * K + k0, std::clamp<int64_t>(K - k0, 0, group_size), group_size, qp + r * Kp + k0,
-                          sp + i, sp + M * G + i);
-    }
-  });
-  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
-  at::Tensor y = at::empty({M, N}, x.options());
-  const W4A8Gemm g{qp, sp, sp + M * G, M, Kp, G, group_size, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                   zero_scales.data_ptr<float>(), bias ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), N};
-  if (M > 0 && N > 0)
+  return linear_rows(x, N, bias, [&](const DenseGemm& d) {
+    const int64_t M = d.M;
+    at::Tensor qa = at::empty({M, Kp}, x.options().dtype(at::kChar));
+    at::Tensor sa = at::empty({2, M, G}, x.options());  // the scales, then scale x sum of codes
+    int8_t* qp = qa.data_ptr<int8_t>();
+    float* sp = sa.data_ptr<float>();
+    at::parallel_for(0, M * G, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = i / G, k0 = (i % G) * group_size;
+        quantize_group_int8(d.x + r * K + k0, std::clamp<int64_t>(K - k0, 0, group_size), group_size,
+                            qp + r * Kp + k0, sp + i, sp + M * G + i);
+      }
+    });
+    const W4A8Gemm g{qp, sp, sp + M * G, M, Kp, G, group_size, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                     zero_scales.data_ptr<float>(), d.bias, d.y, N};
     at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
       for (int64_t blk = begin; blk < end; ++blk) w4a8_rows(g, blk);
     });
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return y.view(shape);
+  });
 #else
   TORCH_CHECK(false, "w4a8_linear needs AVX512-VNNI, which this build's CPU lacks (w4a8_available())");
 #endif
@@ -1004,26 +998,23 @@ at::Tensor fp8_linear_codes(const at::Tensor& x, const c10::optional<at::Tensor>
               "activation_dtype must be float8_e4m3fn or float8_e5m2");
   TORCH_CHECK(weight_dtype == at::kFloat8_e4m3fn || weight_dtype == at::kFloat8_e5m2,
               "weight_dtype must be float8_e4m3fn or float8_e5m2");
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  at::Tensor codes = at::empty({M, 2 * K_pairs}, x.options().dtype(at::kBFloat16));
-  at::Tensor x_scale = at::empty({M}, x.options());
-  at::Tensor y = at::empty({M, N}, x.options());
   const float* sp = shift ? shift->data_ptr<float>() : nullptr;
   const float* ssp = static_scale ? static_scale->data_ptr<float>() : nullptr;
-  auto* code_ptr = reinterpret_cast<uint16_t*>(codes.data_ptr());
-  if (activation_dtype == at::kFloat8_e4m3fn)
-    quantize_rows_bf16<c10::Float8_e4m3fn>(x2.data_ptr<float>(), sp, ssp, kE4m3Spec, M, K, 2 * K_pairs, code_ptr, x_scale.data_ptr<float>());
-  else
-    quantize_rows_bf16<c10::Float8_e5m2>(x2.data_ptr<float>(), sp, ssp, kE5m2Spec, M, K, 2 * K_pairs, code_ptr, x_scale.data_ptr<float>());
   const at::Tensor ws = weight_scale.contiguous();
-  const CodesGemm g{code_ptr, M, K_pairs, x_scale.data_ptr<float>(), ws.data_ptr<float>(),
-                    bias ? bias->data_ptr<float>() : nullptr, ws.numel() == 1 && N != 1, y.data_ptr<float>(), N};
-  const CodeTable table(weight_dtype == at::kFloat8_e4m3fn ? kE4m3Bf16 : kE5m2Bf16);
-  codes_gemm(g, packed.data_ptr<uint8_t>(), n_blocks, table);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return y.view(shape);
+  return linear_rows(x, N, bias, [&](const DenseGemm& d) {
+    const int64_t M = d.M;
+    at::Tensor codes = at::empty({M, 2 * K_pairs}, x.options().dtype(at::kBFloat16));
+    at::Tensor x_scale = at::empty({M}, x.options());
+    auto* code_ptr = reinterpret_cast<uint16_t*>(codes.data_ptr());
+    if (activation_dtype == at::kFloat8_e4m3fn)
+      quantize_rows_bf16<c10::Float8_e4m3fn>(d.x, sp, ssp, kE4m3Spec, M, K, 2 * K_pairs, code_ptr, x_scale.data_ptr<float>());
+    else
+      quantize_rows_bf16<c10::Float8_e5m2>(d.x, sp, ssp, kE5m2Spec, M, K, 2 * K_pairs, code_ptr, x_scale.data_ptr<float>());
+    const CodesGemm g{code_ptr, M, K_pairs, x_scale.data_ptr<float>(), ws.data_ptr<float>(), d.bias,
+                      ws.numel() == 1 && N != 1, d.y, N};
+    const CodeTable table(weight_dtype == at::kFloat8_e4m3fn ? kE4m3Bf16 : kE5m2Bf16);
+    codes_gemm(g, packed.data_ptr<uint8_t>(), n_blocks, table);
+  });
 #else
   TORCH_CHECK(false, "fp8_linear_codes needs AVX512-BF16, which this build's CPU lacks (fp8_codes_gemm_available())");
 #endif

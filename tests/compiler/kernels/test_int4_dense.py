@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from call_recorder import record_calls
 from numerics import relative_error
 
 import compiler.formats.int4 as int4_format
@@ -25,14 +26,7 @@ def random_layer(k: int, n: int, group: int, bias: bool, seed: int) -> Int4Linea
 
 def record_kernel_calls(monkeypatch) -> list:
     """The calls Int4Linear.forward makes to the kernel from now on."""
-    calls = []
-
-    def recorded(*args):
-        calls.append(1)
-        return int4_dense_matmul(*args)
-
-    monkeypatch.setattr(int4_format, "int4_dense_matmul", recorded)
-    return calls
+    return record_calls(monkeypatch, int4_format, "int4_dense_matmul")
 
 
 def dense_call(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:

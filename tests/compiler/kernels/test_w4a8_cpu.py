@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from call_recorder import record_calls
 from numerics import relative_error, stable_seed
 
 import compiler.formats.int4 as int4_format
@@ -116,22 +117,16 @@ def test_mismatched_operands_are_refused():
 
 # -- Int4Linear on W4A8 ----------------------------------------------------------------------------
 
-def record_calls(monkeypatch) -> list:
-    calls = []
-
-    def recorded(*args):
-        calls.append(1)
-        return w4a8_matmul(*args)
-
-    monkeypatch.setattr(w4a8_cpu, "w4a8_matmul", recorded)
-    return calls
+def record_kernel_calls(monkeypatch) -> list:
+    """The calls Int4Linear.forward makes to the W4A8 kernel from now on."""
+    return record_calls(monkeypatch, w4a8_cpu, "w4a8_matmul")
 
 
 @pytest.mark.parametrize("rows", [1, 16, 300])
 def test_a_layer_on_w4a8_runs_the_kernel_at_every_row_count(rows, monkeypatch):
     layer = random_layer(576, 960, 64, True)
     assert layer.use_w4a8() is None and layer.kernel == w4a8_cpu.KERNEL and layer.kernel_reason is None
-    calls = record_calls(monkeypatch)
+    calls = record_kernel_calls(monkeypatch)
     x = torch.randn(rows, 576)
     with torch.inference_mode():
         got = layer(x)
@@ -140,7 +135,7 @@ def test_a_layer_on_w4a8_runs_the_kernel_at_every_row_count(rows, monkeypatch):
 
 def test_w4a8_is_off_by_default_and_can_be_turned_off(monkeypatch):
     layer = random_layer(576, 192, 64, False)
-    calls = record_calls(monkeypatch)
+    calls = record_kernel_calls(monkeypatch)
     x = torch.randn(4, 576)
     with torch.inference_mode():
         w4a16 = layer(x)
@@ -154,7 +149,7 @@ def test_w4a8_is_off_by_default_and_can_be_turned_off(monkeypatch):
 def test_reference_only_and_autograd_keep_the_format_numerics(monkeypatch):
     layer = random_layer(576, 192, 64, True)
     layer.use_w4a8()
-    calls = record_calls(monkeypatch)
+    calls = record_kernel_calls(monkeypatch)
     x = torch.randn(4, 576)
     with reference_only(), torch.inference_mode():
         assert torch.equal(layer(x), layer.reference_forward(x))
