@@ -24,9 +24,10 @@ import torch
 from compiler.deploy.serving_plan import ServingPlan
 from compiler.errors import ConfigError
 from compiler.io.types import LoadedModel
+from compiler.kernels.cpu_ext import cpu_isa_in_use
 from compiler.kernels.dense_cpu import pack_linears
 from compiler.model.fusion import fuse_projections
-from serving.engine_setup import build_kv_cache, set_int4_compute
+from serving.engine_setup import build_kv_cache, kernel_report, set_int4_compute
 from serving.kv_manager import KVCacheManager
 from serving.paged_cache import BatchMetadata, PagedKVCache, PrefillSeq
 from serving.request import GenerationResult, Request, RequestError, RequestStatus
@@ -54,6 +55,8 @@ class Engine:
         self.cache: PagedKVCache = build_kv_cache(model, self.plan, self.device, kv_cache_manifest)
         if self.cache.k_scales is not None:  # an FP8 cache with the artifact's scales
             drop_kv_rounding(self.model)
+        # what the forward runs, layer kind by kind, with the ISA level of qcompile's kernels
+        self.kernels = kernel_report(self.model, self.device, self.packing, self.decode_attention)
         spec = self.cache.spec
         self.kv = KVCacheManager(spec.num_blocks, spec.block_size, self.plan.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.plan.max_num_batched_tokens, self.plan.max_num_seqs)
@@ -65,9 +68,10 @@ class Engine:
 
     @property
     def decode_attention(self) -> str:
-        """The decode-attention kernel the engine runs ("triton", "cpu", or "torch" with why)."""
+        """The decode-attention kernel the engine runs ("triton", "cpu [ISA level]", or "torch" with why)."""
         cache = self.cache
-        return cache.decode_kernel + (f" ({cache.decode_kernel_note})" if cache.decode_kernel_note else "")
+        isa = f" [{cpu_isa_in_use()}]" if cache.decode_kernel == "cpu" else ""
+        return cache.decode_kernel + isa + (f" ({cache.decode_kernel_note})" if cache.decode_kernel_note else "")
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, device: str | None = None, **plan_overrides) -> "Engine":

@@ -1,5 +1,5 @@
 """Build the paged KV cache an engine needs from the serving plan and the artifact's KV-cache entry,
-and set how its INT4 layers compute (``set_int4_compute``).
+set how its INT4 layers compute (``set_int4_compute``), and report the kernels it runs (``kernel_report``).
 
 An FP8 artifact declares (written by the fp8 pass)::
 
@@ -14,8 +14,11 @@ import torch
 from compiler.deploy.serving_plan import KV_DTYPES, ServingPlan, bytes_per_block
 from compiler.errors import ArtifactError, ConfigError
 from compiler.formats.fp8_kv import parse_kv_scales
+from compiler.formats.fp8 import Fp8Linear
 from compiler.formats.int4 import Int4Linear
 from compiler.kernels import w4a8_cpu
+from compiler.kernels.cpu_ext import cpu_isa_in_use, cpu_kernels_status
+from compiler.kernels.dispatch import fp8_kernel, int4_kernel
 from serving.paged_cache import KVCacheSpec, PagedKVCache
 
 
@@ -72,3 +75,37 @@ def set_int4_compute(model: torch.nn.Module, compute: str, device: torch.device)
             else:
                 layer.w4a8_pack()
     return {"compute": compute, "layers": len(layers) - len(kept), "kernel": w4a8_cpu.KERNEL, "w4a16": kept}
+
+
+# A prefill's tokens for the report: past every row threshold of the dispatch (INT4's is 256).
+REPORT_PREFILL_TOKENS = 512
+
+
+def kernel_report(model: torch.nn.Module, device: torch.device, packing: dict, decode_attention: str) -> dict:
+    """What the engine's forward runs, as a float32 decode step (one token a sequence) and a prefill
+    would: ``{"cpu": kernels' status and ISA level, "linear": float linears' kernel, "int4" / "fp8":
+    {"decode": {kernel: layers}, "prefill": {...}}, "attention": decode attention's kernel}``; the
+    ISA level of every qcompile C++ kernel named beside it (``compiler/kernels/dispatch.py``)."""
+    report = {"cpu": cpu_kernels_status() if device.type == "cpu" else None, "isa": cpu_isa_in_use(),
+              "linear": packing.get("kernel", "F.linear (not packed)"), "attention": decode_attention}
+    choosers = ((Int4Linear, "int4", int4_kernel), (Fp8Linear, "fp8", fp8_kernel))
+    with torch.no_grad():
+        for module in model.modules():
+            for cls, name, choose in choosers:
+                if isinstance(module, cls):
+                    entry = report.setdefault(name, {"decode": {}, "prefill": {}})
+                    for phase, tokens in (("decode", 1), ("prefill", REPORT_PREFILL_TOKENS)):
+                        x = torch.empty(tokens, module.in_features, device=device)
+                        kernel = choose(module, x).describe()
+                        entry[phase][kernel] = entry[phase].get(kernel, 0) + 1
+    return report
+
+
+def describe_kernels(report: dict) -> str:
+    """``kernel_report`` in one line, for a log: 'ISA avx2 · linear dense_linear [avx2] · int4 decode ...'."""
+    parts = [f"ISA {report['isa'] or 'none (' + str(report['cpu']) + ')'}", f"linear {report['linear']}"]
+    for name in ("int4", "fp8"):
+        for phase, kernels in report.get(name, {}).items():
+            parts.append(f"{name} {phase} " + ", ".join(f"{k} ×{n}" for k, n in kernels.items()))
+    parts.append(f"attention {report['attention']}")
+    return " · ".join(parts)

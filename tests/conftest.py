@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random checkpoints of each architecture, and the real SmolLM2-135M."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -45,20 +46,44 @@ def kernel_device() -> str:
     return KERNEL_DEVICE
 
 
-@pytest.fixture
-def cpu_ops():
-    """``torch.ops.qcompile_cpu`` (compiler/kernels/cpu_ext.py). A missing build fails the test
-    rather than skipping it, so a broken build cannot pass unnoticed; ``QCOMPILE_CPU_KERNELS=0``
-    (the kernels turned off on purpose) skips it."""
-    from compiler.kernels.cpu_ext import SWITCH, cpu_kernels, cpu_kernels_status
+def kernel_levels() -> list[str | None]:
+    """The ISA levels of qcompile's C++ CPU kernels that tests run each kernel at: every level this
+    CPU runs, up to QCOMPILE_CPU_ISA ([None] where it runs none: the tests then skip, saying why)."""
+    from compiler.kernels.cpu_isa import allowed_levels
+
+    return list(allowed_levels()) or [None]
+
+
+@contextlib.contextmanager
+def kernels_at(level: str | None):
+    """``cpu_kernels()`` is ``level``'s inside the block (``use_isa``). A missing build fails the
+    test rather than skipping it, so a broken build cannot pass unnoticed; ``QCOMPILE_CPU_KERNELS=0``
+    (the kernels turned off on purpose) and a CPU below every level skip it, saying so."""
+    from compiler.kernels.cpu_ext import SWITCH, use_isa
+    from compiler.kernels.cpu_isa import no_level_reason
 
     if os.environ.get(SWITCH, "1") == "0":
         pytest.skip(f"C++ CPU kernels turned off by {SWITCH}=0")
-    ops = cpu_kernels()
-    assert ops is not None, f"C++ CPU kernels {cpu_kernels_status()}"
-    return ops
+    if level is None:
+        pytest.skip(no_level_reason())
+    with use_isa(level):
+        yield
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+@pytest.fixture(params=kernel_levels())
+def isa(request):
+    """Each ISA level in turn (``kernel_levels``), the test's kernels that level's: a test taking it
+    checks every level the host can run, not just its best."""
+    with kernels_at(request.param):
+        yield request.param
+
+
+@pytest.fixture
+def cpu_ops(isa):
+    """The C++ CPU kernels' op namespace at each level of ``isa``."""
+    from compiler.kernels.cpu_ext import cpu_kernels
+
+    return cpu_kernels()
 
 
 def make_hf_model(arch: str = "llama", seed: int = 0, **overrides):

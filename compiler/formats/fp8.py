@@ -44,13 +44,21 @@ import torch.nn as nn
 
 from compiler.errors import ArtifactError
 from compiler.formats.qlinear import QuantizedLinear, register_format
-from compiler.kernels.cpu_ext import cpu_kernels, fp8_codes_gemm_enabled, pack_fp8_codes
-from compiler.kernels.dense_cpu import DerivedTensor, pack_weight, packed_from_rows, packing_available
+from compiler.kernels.cpu_ext import cpu_kernels, pack_fp8_codes
+from compiler.kernels.dense_cpu import DerivedTensor, pack_weight, packing_available
+from compiler.kernels.dispatch import (
+    FP8_CODES,
+    FP8_FLOAT_COPY,
+    FP8_FLOAT_COPY_CALL,
+    FP8_GEMM,
+    FP8_WEIGHT_ONLY,
+    fp8_kernel,
+    packed_from_rows,
+)
 from compiler.kernels.fp8_gemm import (
     dequantize_activations,
     dequantize_weight,
     float_gemm,
-    float_weight_enabled,
     fp8_gemm,
 )
 from compiler.quant.fp8 import (
@@ -350,50 +358,49 @@ class Fp8Linear(QuantizedLinear):
         the codes' layout where ``fp8_linear_codes`` runs (no float copy at all), else
         ``float_weight()`` packed too (``dense_cpu.pack_weight``), for batches of ``packed_from_rows()``
         rows or more (4 bytes per weight more). False where the CPU forward would use neither: weight-only
-        layers, the float copy turned off, no packed kernel, not on the CPU."""
-        if self._takes_codes():
-            with torch.no_grad():
-                self.cpu_codes()
-            return True
-        if not (self.format.quantizes_activations and float_weight_enabled() and packing_available()
-                and self.weight.is_cpu):
+        layers, the float copy turned off, no packed kernel, not on the CPU. Asks ``fp8_kernel`` what a
+        float32 token runs, as the engine's forward will."""
+        if not self.weight.is_cpu:
             return False
-        self._packed_weight = DerivedTensor()
         with torch.no_grad():
+            kernel = fp8_kernel(self, torch.empty(1, self.in_features))
+            if kernel is FP8_CODES:
+                self.cpu_codes()
+                return True
+            copies = kernel.name in (FP8_FLOAT_COPY_CALL.name, FP8_FLOAT_COPY.name)
+            if not (copies and self.format.quantizes_activations and packing_available()):
+                return False
+            self._packed_weight = DerivedTensor()
             self._packed()
         return True
 
     def _packed(self) -> torch.Tensor:
         return self._packed_weight.get((self.weight, self.weight_scale), lambda: pack_weight(self.float_weight()))
 
-    def _one_cpu_call(self, x: torch.Tensor) -> bool:
-        """Whether ``forward`` is one C++ call: a float32 model on the CPU, per-token or static
-        activation scales, no outlier channels, outside autograd (the ops have no backward)."""
-        fmt = self.format
-        return (x.is_cpu and x.dtype == torch.float32 and fmt.quantizes_activations and not fmt.activation_group_size
-                and self.outlier_index is None and (self.bias is None or self.bias.dtype == torch.float32)
-                and not torch.is_grad_enabled() and cpu_kernels() is not None)
-
-    def _takes_codes(self) -> bool:
-        """Whether a one-call forward multiplies the codes themselves (``fp8_linear_codes``) rather
-        than the float copy: where the CPU has AVX512-BF16 and it is not turned off."""
-        fmt = self.format
-        return (fmt.quantizes_activations and not fmt.activation_group_size and self.outlier_index is None
-                and self.weight.is_cpu and fp8_codes_gemm_enabled())
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._one_cpu_call(x):
-            if self._takes_codes():  # 1 byte per weight read, where the copy reads 4
-                return cpu_kernels().fp8_linear_codes(x, self.input_shift, self.input_scale,
-                                                      self.format.activation_torch_dtype, self.cpu_codes(),
-                                                      self.weight.dtype, self.weight_scale, self.out_features, self.bias)
-            if float_weight_enabled():  # at a few tokens the Python path costs more than its arithmetic
-                takes_packed = self._packed_weight is not None and x.numel() >= packed_from_rows() * self.in_features
-                return cpu_kernels().fp8_linear(x, self.input_shift, self.input_scale, self.format.activation_torch_dtype,
-                                                self.float_weight(), self.bias, self._packed() if takes_packed else None)
+        return self._RUNS[fp8_kernel(self, x).name](self, x)
+
+    def _on_codes(self, x: torch.Tensor) -> torch.Tensor:  # 1 byte per weight read, where the copy reads 4
+        return cpu_kernels().fp8_linear_codes(x, self.input_shift, self.input_scale, self.format.activation_torch_dtype,
+                                              self.cpu_codes(), self.weight.dtype, self.weight_scale, self.out_features,
+                                              self.bias)
+
+    def _on_float_copy_in_one_call(self, x: torch.Tensor) -> torch.Tensor:
+        # at a few tokens the Python path costs more than its arithmetic
+        takes_packed = self._packed_weight is not None and x.numel() >= packed_from_rows() * self.in_features
+        return cpu_kernels().fp8_linear(x, self.input_shift, self.input_scale, self.format.activation_torch_dtype,
+                                        self.float_weight(), self.bias, self._packed() if takes_packed else None)
+
+    def _on_float_copy(self, x: torch.Tensor) -> torch.Tensor:
+        return self._per_call(x, self.float_weight())
+
+    def _without_copy(self, x: torch.Tensor) -> torch.Tensor:
+        return self._per_call(x, None)
+
+    def _per_call(self, x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        """The Python path: on ``w`` (the float32 copy), else per call (``fp8_gemm`` or the dequantized weight)."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # [M, K]
-        w = self.float_weight() if x.is_cpu and float_weight_enabled() else None
         if not self.format.quantizes_activations:
             w = self.dequantized_weight() if w is None else w
             y = self._centred(x2).to(x.dtype) @ w.to(x.dtype).t()
@@ -408,3 +415,6 @@ class Fp8Linear(QuantizedLinear):
             if self.outlier_index is not None:
                 y = y + self._outlier_part(x2)
         return y.reshape(*shape[:-1], self.out_features)
+
+    _RUNS = {FP8_CODES.name: _on_codes, FP8_FLOAT_COPY_CALL.name: _on_float_copy_in_one_call,
+             FP8_FLOAT_COPY.name: _on_float_copy, FP8_GEMM.name: _without_copy, FP8_WEIGHT_ONLY.name: _without_copy}

@@ -17,8 +17,8 @@ byte for byte, so that lowering is a reshape, never a re-quantization:
 
 The primitives (choose qparams, quantize, dequantize) are in ``compiler/quant/int4.py``.
 
-``forward`` runs, by device: on CUDA the Triton W4A16 kernel (``compiler/kernels/w4a16.py``); on
-the CPU torch's INT4 kernel (``compiler/kernels/int4_cpu.py``) on a copy of the weights repacked
+``forward`` runs what ``compiler/kernels/dispatch.py``'s ``int4_kernel`` chooses, by device: on CUDA
+the Triton W4A16 kernel (``compiler/kernels/w4a16.py``); on the CPU torch's INT4 kernel (``compiler/kernels/int4_cpu.py``) on a copy of the weights repacked
 at first use (codes unchanged; the copy is an attribute, not a buffer, so it never enters the
 artifact, and it is rebuilt when the buffers change, move or change dtype), and for a prefill's
 many float32 tokens qcompile's ``int4_dense_linear`` on the buffers themselves. A layer torch's
@@ -38,18 +38,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compiler.formats.qlinear import QuantizedLinear, register_format
-from compiler.kernels import triton_available, w4a8_cpu
+from compiler.kernels import w4a8_cpu
 from compiler.kernels.dense_cpu import DerivedTensor
+from compiler.kernels.dispatch import (
+    INT4_CUDA_MANY_TOKENS,
+    INT4_PREFILL,
+    INT4_TORCH,
+    INT4_TRITON,
+    REFERENCE,
+    W4A8,
+    int4_kernel,
+)
 from compiler.kernels.int4_cpu import (
-    ACTIVATION_DTYPES,
     KERNEL,
-    REFERENCE_MIN_TOKENS,
     Int4CpuPack,
-    activation_unsupported_reason,
     int4_cpu_matmul,
-    int4_dense_enabled,
     int4_dense_matmul,
-    kernel_enabled,
     layer_unsupported_reason,
     pack_for_cpu,
 )
@@ -60,12 +64,6 @@ from compiler.quant.int4 import (
     pad_columns,
     quantize,
 )
-
-# From this many tokens on, a CUDA forward dequantizes W (a Triton kernel) and calls cuBLAS instead
-# of the fused W4A16 kernel, which is faster up to 128 tokens and slower at 2048 (the W4A16 table of
-# docs/notes/2026-11-h200-gpu-kernels.md; the crossover between the two was not measured).
-DEQUANT_MIN_TOKENS = 256
-
 
 def pack_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:
     """Codes [N, K] -> qweight uint8 [N, K // g, g // 2] (MatMulNBits B layout)."""
@@ -172,40 +170,47 @@ class Int4Linear(QuantizedLinear):
         return dequantize(q, self.scales, zero, self.group_size)[:, : self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and triton_available():
-            from compiler.kernels.w4a16 import w4_dequantize, w4a16_matmul
+        kernel = int4_kernel(self, x)
+        if kernel.recorded:
+            self.fallbacks.add(kernel.why)
+        return self._RUNS[kernel.name](self, x)
 
-            bias = None if self.bias is None else self.bias.to(x.dtype)
-            if x.numel() // self.in_features < DEQUANT_MIN_TOKENS:
-                return w4a16_matmul(x, self.qweight, self.scales, self.qzeros, self.in_features, self.group_size, bias)
-            w = w4_dequantize(self.qweight, self.scales, self.qzeros, self.in_features, self.group_size, x.dtype)
-            return F.linear(x, w, bias)
-        if self._w4a8 and self._runs_w4a8(x):
-            return w4a8_cpu.w4a8_matmul(x, self.w4a8_pack(), self._buffers["bias"])
-        if self._runs_cpu_kernel(x):
-            return int4_cpu_matmul(x, self.cpu_pack(), self._buffers["bias"])
-        if self._runs_dense_kernel(x):
-            buffers = self._buffers
-            return int4_dense_matmul(x, buffers["qweight"], buffers["scales"], self.float_zeros(), self.group_size,
-                                     buffers["bias"])
-        return self.reference_forward(x)
+    def _triton(self, x: torch.Tensor) -> torch.Tensor:
+        from compiler.kernels.w4a16 import w4a16_matmul
+
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return w4a16_matmul(x, self.qweight, self.scales, self.qzeros, self.in_features, self.group_size, bias)
+
+    def _dequantize_then_linear(self, x: torch.Tensor) -> torch.Tensor:
+        from compiler.kernels.w4a16 import w4_dequantize
+
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        w = w4_dequantize(self.qweight, self.scales, self.qzeros, self.in_features, self.group_size, x.dtype)
+        return F.linear(x, w, bias)
+
+    def _w4a8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return w4a8_cpu.w4a8_matmul(x, self.w4a8_pack(), self._buffers["bias"])
+
+    def _torch_int4(self, x: torch.Tensor) -> torch.Tensor:
+        return int4_cpu_matmul(x, self.cpu_pack(), self._buffers["bias"])
+
+    def _prefill(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        return int4_dense_matmul(x, buffers["qweight"], buffers["scales"], self.float_zeros(), self.group_size,
+                                 buffers["bias"])
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Unpack -> dequantize -> matmul in x's dtype: the reference every kernel is tested against."""
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight().to(x.dtype), bias)
 
-    def _runs_cpu_kernel(self, x: torch.Tensor) -> bool:
-        if self.kernel_reason is not None or not kernel_enabled():
-            return False
-        if x.numel() >= REFERENCE_MIN_TOKENS * self.in_features:  # many tokens: dequantize + GEMM is faster
-            return False
-        if x.requires_grad and torch.is_grad_enabled():  # the kernel has no backward
-            return False
-        if x.is_cpu and x.dtype in ACTIVATION_DTYPES:  # the common case, checked first: this runs every call
-            return True
-        self.fallbacks.add(activation_unsupported_reason(x))
-        return False
+    _RUNS = {INT4_TRITON.name: _triton, INT4_CUDA_MANY_TOKENS.name: _dequantize_then_linear, W4A8.name: _w4a8_forward,
+             INT4_TORCH.name: _torch_int4, INT4_PREFILL.name: _prefill, REFERENCE.name: reference_forward}
+
+    @property
+    def runs_w4a8(self) -> bool:
+        """Whether CPU forwards run on int8 activations (``use_w4a8``)."""
+        return self._w4a8
 
     def use_w4a8(self, enabled: bool = True) -> str | None:
         """Run this layer's CPU forwards on int8 activations (W4A8, ``compiler/kernels/w4a8_cpu.py``:
@@ -220,11 +225,6 @@ class Int4Linear(QuantizedLinear):
         """(what a W4A16 CPU forward runs, why not torch's kernel or None)."""
         why = layer_unsupported_reason(self.out_features, self.n_blocks * self.group_size, self.group_size)
         return ("reference" if why else KERNEL), why
-
-    def _runs_w4a8(self, x: torch.Tensor) -> bool:
-        if x.is_cpu and x.dtype in w4a8_cpu.ACTIVATION_DTYPES and kernel_enabled():
-            return not (x.requires_grad and torch.is_grad_enabled())  # the kernel has no backward
-        return False
 
     def w4a8_pack(self) -> w4a8_cpu.W4A8Pack:
         """The weights in ``w4a8_linear``'s layout, kept (never saved) until a buffer changes."""
@@ -242,13 +242,6 @@ class Int4Linear(QuantizedLinear):
         saved) until ``qzeros`` is replaced or written in place, not unpacked on every call."""
         qzeros = self._buffers["qzeros"]
         return self._float_zeros.get((qzeros,), lambda: unpack_zeros(qzeros, self.n_blocks).float())
-
-    def _runs_dense_kernel(self, x: torch.Tensor) -> bool:
-        """Where torch's kernel is not taken: float32 activations and weights on the CPU, outside
-        autograd, through ``int4_dense_linear`` (the reference's float32 arithmetic, ~1e-7 apart)."""
-        return (x.is_cpu and x.dtype is torch.float32 and self.scales.dtype is torch.float32
-                and (self.bias is None or self.bias.dtype is torch.float32) and self.group_size % 8 == 0
-                and not torch.is_grad_enabled() and kernel_enabled() and int4_dense_enabled())
 
     def cpu_pack(self) -> Int4CpuPack:
         """The weights in the CPU kernel's layout, built on first use and again whenever a buffer is

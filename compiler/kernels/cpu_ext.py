@@ -1,7 +1,13 @@
-"""qcompile's C++ CPU kernels (``csrc/cpu_kernels.cpp``): built once, loaded as ``torch.ops.qcompile_cpu``.
+"""qcompile's C++ CPU kernels (``csrc/``): built for every ISA level, the best one this CPU runs loaded.
 
-    ops = cpu_kernels()            # the op namespace, or None when the kernels cannot be had
-    why = cpu_kernels_status()     # "loaded", or why not (no compiler, turned off, ...)
+    ops = cpu_kernels()            # the op namespace for this process's level, or None
+    why = cpu_kernels_status()     # "loaded (avx512_bf16)", or why not (no compiler, turned off, ...)
+    with use_isa("avx2"): ...      # another level the CPU runs, for a block (tests, benchmarks)
+
+``cpu_build`` builds one library per level (``cpu_isa.LEVELS``); the first use in a process loads
+``cpu_isa.active_level()``'s (the best the CPU runs, capped by ``QCOMPILE_CPU_ISA``) as
+``torch.ops.qcompile_cpu_<level>``. Every level has every op; they differ in the instructions
+inside (``csrc/isa.h``). ``ops.isa()`` names the level a library was built for.
 
 - ``paged_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, window, sm_scale)``:
   the paged cache's decode attention, reading each cached row in place (float32, bfloat16,
@@ -10,87 +16,130 @@
 - ``fp8_fake_quant_rows(x, shift, static_scale, dtype)``: ``Fp8Linear``'s activation
   quantization in one op instead of about ten, bit for bit the torch ops of ``compiler/quant/fp8.py``;
   ``fp8_linear(x, shift, static_scale, dtype, weight, bias, packed)``: that, times the dequantized
-  float32 weight (or ``packed``, that weight in oneDNN's layout), plus the bias, in one call (a
-  float32 model's forward, whose Python path costs more than the rounding at a few tokens).
+  float32 weight (or ``packed``, that weight in ``dense_linear``'s layout), plus the bias, in one
+  call (a float32 model's forward, whose Python path costs more than the rounding at a few tokens).
+- ``fp8_linear_codes(x, shift, static_scale, activation_dtype, packed, weight_dtype, weight_scale,
+  out_features, bias)``: ``Fp8Linear``'s forward on its codes (``pack_fp8_codes``' layout): the
+  activation codes times the weight codes (their products are exact in float32), the scales
+  applied to the float32 sums. Within ~2e-7 of the dequantize reference (the order of the float32
+  roundings), 1 byte read per weight instead of the float copy's 4, and no float copy kept.
 - ``rms_norm(x, weight, eps, weight_offset)``, ``rope_qk(q, k, cos, sin)``, ``silu_mul(gate, up)``:
   the decoder layer's RMSNorm, rotary embedding and SwiGLU (``compiler/model/layers.py``) in one op
-  each, float32; RoPE bit for bit, SwiGLU bit for bit where torch vectorises the whole row (its own
-  exp, ``Sleef_expf16_u10``; the fused and separate gate/up both take the op, so they agree
-  exactly), the norm within an ulp of its scale (a sum's order). A decode step runs them about a
-  hundred times, where each torch op's dispatch costs more than its arithmetic.
-  ``cpu_kernels_for(x)`` says whether a forward on x may use them.
-- ``fp8_linear_codes(x, shift, static_scale, activation_dtype, packed, weight_dtype, weight_scale,
-  out_features, bias)``: ``Fp8Linear``'s forward on its codes (``pack_fp8_codes``' layout), where
-  the CPU has AVX512-BF16 (``fp8_codes_gemm_enabled()``): FP8 values are exact in bfloat16 and
-  their products in float32, so a bfloat16 dot product multiplies the activation codes by the
-  weight codes exactly; the scales are applied to the float32 sums. Within ~2e-7 of the dequantize
-  reference (the order of the float32 roundings), 1 byte read per weight instead of the float
-  copy's 4, and no float copy kept.
+  each, float32; RoPE bit for bit, SwiGLU bit for bit where torch vectorises the whole row (torch's
+  own exp; the fused and separate gate/up both take the op, so they agree exactly), the norm within
+  an ulp of its scale (a sum's order). A decode step runs them about a hundred times, where each
+  torch op's dispatch costs more than its arithmetic. ``cpu_kernels_for(x)`` says whether a forward
+  on x may use them.
 - ``int4_linear(x, weight, group_size, scales_and_zeros, padded_in_features, bias)``:
   ``int4_cpu_matmul``'s casts, padding, torch's INT4 kernel and bias in one call, the same bits.
 - ``dense_linear(x, packed, out_features, bias)``: a float32 linear layer on its weight packed in
-  blocks of 16 output channels (``compiler/kernels/dense_cpu.py``, where the CPU has AVX-512:
-  ``dense_gemm_available()``); the weight read once as a stream, each row's sums in one order
-  whatever the batch. Within ~1e-7 of ``F.linear`` (the order of the float32 sums).
+  blocks of 16 output channels (``compiler/kernels/dense_cpu.py``); the weight read once as a
+  stream, each row's sums in one order whatever the batch or level. Within ~1e-7 of ``F.linear``.
   ``int4_dense_linear(x, codes, scales, zeros, group_size, bias)``: an ``Int4Linear``'s many-token
   float32 forward on its own buffers, the dequantize reference's weights built a panel at a time
   for those tiles (``compiler/kernels/int4_cpu.py``).
 - ``w4a8_linear(x, packed, scales, zero_scales, group_size, out_features, bias)``: an INT4 layer on
-  int8 activations (W4A8: each row quantized per group, integer dot products with AVX512-VNNI,
-  ``w4a8_available()``), ``compiler/kernels/w4a8_cpu.py``'s packing; within ~1e-7 of its torch
-  reference ``w4a8_reference``.
+  int8 activations (W4A8: each row quantized per group, integer dot products),
+  ``compiler/kernels/w4a8_cpu.py``'s packing; within ~1e-7 of its torch reference ``w4a8_reference``,
+  the same bits at every level.
 
-torch builds the library with its C++ toolchain (``torch.utils.cpp_extension``: a C++ compiler and
-``ninja``) into its extensions cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``),
-keyed by the source, so a change to the source rebuilds it; ``scripts/setup.sh`` builds it at
-install (``python -m compiler.kernels.cpu_ext``), and the first use in a process loads it. Where it
-cannot be built the callers run the torch reference and say so in their load report
-(``cpu_kernels_status()``), never silently. ``QCOMPILE_CPU_KERNELS=0`` turns the kernels off for a
-process, to compare against the reference.
+Where the kernels cannot be had (no compiler, a CPU below x86-64-v3, ``QCOMPILE_CPU_KERNELS=0`` to
+compare against the reference) the callers run the torch reference and say so in their reports
+(``cpu_kernels_status()``), never silently.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
-from pathlib import Path
 
 import torch
 
+from compiler.kernels import cpu_build, cpu_isa
+
 SWITCH = "QCOMPILE_CPU_KERNELS"
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-# -O3 -march=native: built on the machine that runs it. -fopenmp: at::parallel_for is inline
-# OpenMP in ATen's headers, so without it the kernels run on one thread; its `omp simd` loops
-# vectorise without -ffast-math, which would change the FP8 rounding and NaN handling kept exact.
-# -ffp-contract=off: GCC would otherwise fuse a * b + c into an FMA, and rope_qk would no longer be
-# bit for bit torch's (the attention kernel measured no slower without it).
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
-LDFLAGS = ["-fopenmp"]
-
-
-def _build(verbose: bool) -> None:
-    """Build the library into torch's extensions cache (or find it there) and load it."""
-    from torch.utils import cpp_extension
-
-    cpp_extension.load(name="qcompile_cpu", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                       is_python_module=False, verbose=verbose)
 
 
 @functools.cache
-def _load() -> tuple[object | None, str]:
-    if os.environ.get(SWITCH, "1") == "0":
-        return None, f"turned off ({SWITCH}=0)"
+def _built() -> tuple[bool, str]:
+    """Build (or find) every level's library once per process: (built, why not)."""
     try:
-        _build(verbose=False)
+        cpu_build.build()
     except Exception as e:  # no compiler or ninja, a failed build: the callers fall back and report it
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return None, f"not built ({first_line[:200]}); run 'python -m compiler.kernels.cpu_ext' to see the build log"
-    return torch.ops.qcompile_cpu, "loaded"
+        return False, f"not built ({first_line[:200]}); run 'python -m compiler.kernels.cpu_ext' to see the build log"
+    return True, ""
+
+
+@functools.cache
+def _load(level: str) -> tuple[object | None, str]:
+    """A level's op namespace (its library loaded once), or None and why."""
+    if level not in cpu_isa.host_levels():
+        return None, f"this CPU does not run {level} (it runs: {', '.join(cpu_isa.host_levels()) or 'none'})"
+    built, why = _built()
+    if not built:
+        return None, why
+    torch.ops.load_library(str(cpu_build.library_path(level)))
+    return getattr(torch.ops, cpu_build.library_name(level)), f"loaded ({level})"
+
+
+class _Active:
+    """The process's kernels: resolved on first use, swapped by ``use_isa``."""
+
+    ops: object | None = None
+    status: str | None = None
+
+
+def _resolve() -> None:
+    if os.environ.get(SWITCH, "1") == "0":
+        _Active.ops, _Active.status = None, f"turned off ({SWITCH}=0)"
+        return
+    level = cpu_isa.active_level()
+    _Active.ops, _Active.status = _load(level) if level else (None, cpu_isa.no_level_reason())
 
 
 def cpu_kernels():
-    """``torch.ops.qcompile_cpu`` (built on first use), or None when it cannot be built or is turned off."""
-    return _load()[0]
+    """The op namespace of this process's level (built on first use), or None when the kernels
+    cannot be had or are turned off. Runs on every forward, so it is a plain attribute read."""
+    if _Active.status is None:
+        _resolve()
+    return _Active.ops
+
+
+def cpu_kernels_status() -> str:
+    """"loaded (<level>)", or why the C++ CPU kernels are not in use."""
+    cpu_kernels()
+    return _Active.status
+
+
+def cpu_isa_in_use() -> str | None:
+    """The ISA level whose kernels this process runs, None without kernels."""
+    ops = cpu_kernels()
+    return None if ops is None else ops.isa()
+
+
+def cpu_kernels_at(level: str):
+    """A level's op namespace; ``RuntimeError`` naming why when this CPU cannot run it or it is not built."""
+    ops, why = _load(level)
+    if ops is None:
+        raise RuntimeError(f"qcompile's {level} CPU kernels: {why}")
+    return ops
+
+
+@contextlib.contextmanager
+def use_isa(level: str | None):
+    """Run another level's kernels (one this CPU runs) inside the block, or none (``None``: the torch
+    code): every caller of ``cpu_kernels()`` gets them. For tests and benchmarks that compare levels
+    in one process; ``QCOMPILE_CPU_ISA`` sets a whole process's."""
+    ops = None if level is None else cpu_kernels_at(level)
+    cpu_kernels()
+    before = _Active.ops, _Active.status
+    _Active.ops, _Active.status = ops, "turned off (use_isa(None))" if level is None else f"loaded ({level})"
+    try:
+        yield ops
+    finally:
+        _Active.ops, _Active.status = before
 
 
 def cpu_kernels_for(x: torch.Tensor):
@@ -99,21 +148,6 @@ def cpu_kernels_for(x: torch.Tensor):
     if x.dtype is torch.float32 and x.is_cpu and not torch.is_grad_enabled():
         return cpu_kernels()
     return None
-
-
-CODES_SWITCH = "QCOMPILE_FP8_CPU_CODES"
-
-
-def fp8_codes_gemm_enabled() -> bool:
-    """Whether ``fp8_linear_codes`` can run here: the kernels loaded, built for a CPU with
-    AVX512-BF16, and not turned off (``QCOMPILE_FP8_CPU_CODES=0``, to compare with the float copy)."""
-    ops = cpu_kernels()
-    return ops is not None and os.environ.get(CODES_SWITCH, "1") != "0" and _has_bf16_dot()
-
-
-@functools.cache
-def _has_bf16_dot() -> bool:
-    return bool(torch.ops.qcompile_cpu.fp8_codes_gemm_available())
 
 
 def pack_fp8_codes(weight: torch.Tensor) -> torch.Tensor:
@@ -125,11 +159,6 @@ def pack_fp8_codes(weight: torch.Tensor) -> torch.Tensor:
     codes = torch.zeros(blocks * 16, pairs * 2, dtype=torch.uint8, device=weight.device)
     codes[:n, :k] = weight.view(torch.uint8)
     return codes.view(blocks, 16, pairs, 2).permute(0, 2, 1, 3).contiguous()
-
-
-def cpu_kernels_status() -> str:
-    """"loaded", or why the C++ CPU kernels are not in use."""
-    return _load()[1]
 
 
 _NO_SCALE = torch.ones(1)  # an unscaled cache's K/V scale (read, never written)
@@ -150,19 +179,16 @@ def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out.to(q.dtype)
 
 
-def build() -> int:
-    """Build (or find) the library, with the compiler's output shown; exit status for the shell."""
+def main() -> int:
+    """Build every level (the compiler's output shown) and say which one this CPU loads."""
     if os.environ.get(SWITCH, "1") == "0":
         print(f"qcompile CPU kernels: turned off ({SWITCH}=0)")
         return 0
-    _build(verbose=True)
-    print(f"qcompile CPU kernels: built, torch.ops.qcompile_cpu has {', '.join(_op_names())}")
+    folder = cpu_build.build(verbose=True)
+    print(f"qcompile CPU kernels: {', '.join(cpu_isa.LEVEL_NAMES)} built in {folder}; "
+          f"this CPU runs {', '.join(cpu_isa.host_levels()) or 'none of them'}: {cpu_kernels_status()}")
     return 0
 
 
-def _op_names() -> list[str]:
-    return [name for name in ("paged_decode", "fp8_fake_quant_rows", "fp8_linear", "dense_linear", "int4_dense_linear") if hasattr(torch.ops.qcompile_cpu, name)]
-
-
 if __name__ == "__main__":
-    sys.exit(build())
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """Float32 linear layers on the CPU on a weight packed once: qcompile's own kernel, else oneDNN.
 
 torch's ``F.linear`` on the CPU calls MKL's sgemm on the ``[out, in]`` weight as stored. Two
-packed ways are faster for the engine's batches: qcompile's ``dense_linear`` (C++, AVX-512: the
+packed ways are faster for the engine's batches: qcompile's ``dense_linear`` (C++, every ISA level: the
 weight in blocks of 16 output channels, ``pack_dense_weight``, each tile's sums in registers over
 the whole input, the weight read once as a stream), and oneDNN on a weight reordered into its
 blocked layout (``mkldnn._reorder_linear_weight``, then ``mkldnn._linear_pointwise``, as vLLM's
@@ -23,66 +23,34 @@ with oneDNN where both are bound by arithmetic (512 rows).
 So ``PackedLinear`` keeps the weight as it is (``F.linear`` for what the packed way does not take,
 and every other user of the module's ``weight``: tied embeddings, state dicts) and one packed copy
 (4 bytes a weight more, never saved): qcompile's where its kernel runs (from one row on; its rows
-are summed in one order whatever the batch), else oneDNN's from ``ONEDNN_FROM_ROWS`` rows (4 on an
-Intel CPU, where MKL's gemv wins below; 1 on any other). All are float32 arithmetic; they differ
+are summed in one order whatever the batch), else oneDNN's from ``dispatch.ONEDNN_FROM_ROWS`` rows (4
+on an Intel CPU, where MKL's gemv wins below; 1 on any other). All are float32 arithmetic; they differ
 only in the order of the sums (~1e-7 relative). Only the engine packs (``ServingPlan.pack_cpu_weights``).
 """
 from __future__ import annotations
-
-import functools
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from compiler.kernels.cpu_ext import cpu_kernels, cpu_kernels_status
-
-
-@functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``, ...), "" where /proc/cpuinfo does not say."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-# the crossovers above: on the Xeon MKL's gemv wins below 4 rows (at 3 the two are level); elsewhere oneDNN wins at every size
-ONEDNN_FROM_ROWS = 4 if cpu_vendor() == "GenuineIntel" else 1
+from compiler.kernels.dispatch import FLOAT_MKL, FLOAT_ONEDNN, FLOAT_PACKED, float_kernel
 
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-@functools.cache
-def dense_kernel():
-    """``torch.ops.qcompile_cpu`` where its ``dense_linear`` runs (the C++ kernels loaded, built for
-    a CPU with AVX-512), else None. Asked on every packed call, so answered once per process."""
-    ops = cpu_kernels()
-    return ops if ops is not None and ops.dense_gemm_available() else None
-
-
 def packing_available() -> bool:
     """Whether a float32 weight can be packed here (for either kernel)."""
-    return dense_kernel() is not None or onednn_available()
+    return cpu_kernels() is not None or onednn_available()
 
 
 def packing_kernel() -> str:
-    """What a packed weight runs here: qcompile's kernel, or oneDNN and why not qcompile's."""
-    if dense_kernel() is not None:
-        return "qcompile dense_linear"
-    why = cpu_kernels_status() if cpu_kernels() is None else "the C++ kernels are built for a CPU without AVX-512"
-    return f"oneDNN (qcompile's dense_linear: {why})"
-
-
-def packed_from_rows() -> int:
-    """The rows from which a packed weight is faster than ``F.linear``'s on the weight as stored."""
-    return 1 if dense_kernel() is not None else ONEDNN_FROM_ROWS
+    """What a packed weight runs here: qcompile's kernel (at its ISA level), or oneDNN and why not qcompile's."""
+    if cpu_kernels() is not None:
+        return FLOAT_PACKED.describe()
+    return f"{FLOAT_ONEDNN.name} (qcompile's dense_linear: {cpu_kernels_status()})"
 
 
 class DerivedTensor:
@@ -127,26 +95,26 @@ def pack_dense_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """A float32 [out, in] weight packed for ``dense``: ``dense_linear``'s layout where it runs, else oneDNN's."""
-    if dense_kernel() is not None:
+    if cpu_kernels() is not None:
         return pack_dense_weight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed=None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through ``packed`` (``weight``'s ``pack_weight``, a tensor or a
-    callable giving it) from ``packed_from_rows()`` rows on, outside autograd (the packed ops have no backward)."""
-    if packed is None or x.numel() < packed_from_rows() * weight.shape[1] or torch.is_grad_enabled():
+    callable giving it) where ``dispatch.float_kernel`` takes it (enough rows, outside autograd)."""
+    if float_kernel(x, weight, packed).name == FLOAT_MKL.name:
         return F.linear(x, weight, bias)
     packed = packed() if callable(packed) else packed
     bias = None if bias is None else bias.detach()
     if packed.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return dense_kernel().dense_linear(x, packed, weight.shape[0], bias)
+    return cpu_kernels().dense_linear(x, packed, weight.shape[0], bias)
 
 
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` (the same weight and bias parameters) that multiplies batches of
-    ``packed_from_rows()`` rows or more by a packed copy of its weight (``pack_weight``). The copy
+    ``dispatch.packed_from_rows()`` rows or more by a packed copy of its weight (``pack_weight``). The copy
     follows the weight: an in-place write or a new tensor repacks it on the next such call."""
 
     def __init__(self, linear: nn.Linear):

@@ -39,21 +39,10 @@ bits) the product would be rounded further unless the scale is a power of two, c
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from compiler.kernels.dense_cpu import dense
 from compiler.quant.fp8 import to_float32
-
-FLOAT_WEIGHT_SWITCH = "QCOMPILE_FP8_CPU_FLOAT_WEIGHT"
-
-
-def float_weight_enabled() -> bool:
-    """Whether ``Fp8Linear`` on the CPU keeps a float32 copy of its weight (unless turned off by
-    ``QCOMPILE_FP8_CPU_FLOAT_WEIGHT=0``)."""
-    return os.environ.get(FLOAT_WEIGHT_SWITCH, "1") != "0"
-
 
 def dequantize_weight(b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
     """FP8 weight [N, K] and its scales [N] or [1] -> the float32 weight the reference multiplies by."""

@@ -24,8 +24,8 @@ by bfloat16 rounding of the activations, the scales, z' and the output (~3e-3 re
 in tests/compiler/kernels/test_int4_cpu.py), never by the codes.
 
 From ``REFERENCE_MIN_TOKENS`` tokens on (a prefill) the kernel is slower than a float32 GEMM, so a
-float32 forward runs qcompile's ``int4_dense_linear`` instead (C++, where the CPU has AVX-512,
-``int4_dense_enabled()``): the reference's float32 weights, dequantized three blocks of 16 channels
+float32 forward runs qcompile's ``int4_dense_linear`` instead (C++, every ISA level,
+``dispatch.int4_prefill_enabled()``): the reference's float32 weights, dequantized three blocks of 16 channels
 at a time into a panel that stays in cache, times the activations by ``dense_linear``'s tiles —
 within ~1e-7 of the reference, without ever building the whole float weight. Elsewhere those
 tokens run the reference itself (dequantize, then ``F.linear``).
@@ -45,7 +45,6 @@ import torch
 import torch.nn.functional as F
 
 from compiler.kernels.cpu_ext import cpu_kernels
-from compiler.kernels.dense_cpu import dense_kernel
 from compiler.quant.int4 import SYMMETRIC_ZERO
 
 KERNEL = "aten._weight_int4pack_mm_for_cpu"
@@ -105,17 +104,11 @@ def reference_only():
         _override["reference_only"] = before
 
 
-def int4_dense_enabled() -> bool:
-    """Whether ``int4_dense_linear`` runs here: qcompile's C++ kernels built for AVX-512, and INT4's
-    kernels not turned off (``QCOMPILE_INT4_CPU_KERNEL=0`` leaves the reference alone)."""
-    return os.environ.get(ENV_SWITCH, "1") != "0" and dense_kernel() is not None
-
-
 def int4_dense_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x float32 [..., K] times an ``Int4Linear``'s buffers (qweight [N, n_blocks, g/2], float32
     scales [N, n_blocks], zero points [N, n_blocks], unpacked) through ``int4_dense_linear``."""
-    return dense_kernel().int4_dense_linear(x, qweight.reshape(qweight.shape[0], -1), scales, zeros.float(),
+    return cpu_kernels().int4_dense_linear(x, qweight.reshape(qweight.shape[0], -1), scales, zeros.float(),
                                             group_size, bias)
 
 

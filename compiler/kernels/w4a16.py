@@ -14,7 +14,7 @@ group: its scales and zero points are one [BLOCK_N] row each, loaded once per ti
 are loaded once as [BLOCK_K/2, BLOCK_N] and split into low nibbles (even k) and high nibbles (odd
 k), which meet x's even and odd columns in two ``tl.dot`` calls, so no interleaving is needed.
 For many tokens the GEMM is compute-bound and cuBLAS on the dequantized weight is faster than any
-tile of this kernel: from ``DEQUANT_MIN_TOKENS`` tokens ``Int4Linear.forward`` dequantizes W with
+tile of this kernel: from ``dispatch.DEQUANT_MIN_TOKENS`` tokens ``Int4Linear.forward`` dequantizes W with
 ``w4_dequantize`` (one pass: read the packed bytes, write W in x's dtype) and calls ``F.linear``.
 
 Tested on the CPU with ``TRITON_INTERPRET=1`` against the torch reference (``Int4Linear.forward``).

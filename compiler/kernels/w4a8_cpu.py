@@ -28,7 +28,6 @@ row's output is the same in any batch (each row is quantized on its own and summ
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -44,20 +43,12 @@ BLOCK = 16  # output channels per packed block: one 512-bit vector of int32 sums
 INT8_MAX = 127.0
 
 
-@functools.cache
-def _ops():
-    ops = cpu_kernels()
-    return ops if ops is not None and ops.w4a8_available() else None
-
-
 def w4a8_unavailable_reason() -> str | None:
     """Why ``w4a8_linear`` cannot run in this process, or None."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return f"INT4's CPU kernels are turned off ({ENV_SWITCH}=0)"
     if cpu_kernels() is None:
         return f"qcompile's C++ kernels are not loaded: {cpu_kernels_status()}"
-    if _ops() is None:
-        return "qcompile's C++ kernels are built for a CPU without AVX512-VNNI (integer dot products)"
     return None
 
 
@@ -99,7 +90,7 @@ def pack_w4a8(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, gr
 
 def w4a8_matmul(x: torch.Tensor, pack: W4A8Pack, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (float32, bfloat16 or float16; K <= K_pad) -> [..., N] in x's dtype, plus ``bias``."""
-    y = _ops().w4a8_linear(x.float(), pack.codes, pack.scales, pack.zero_scales, pack.group_size, pack.out_features,
+    y = cpu_kernels().w4a8_linear(x.float(), pack.codes, pack.scales, pack.zero_scales, pack.group_size, pack.out_features,
                            None if bias is None else bias.float())
     return y if y.dtype is x.dtype else y.to(x.dtype)
 

@@ -104,6 +104,10 @@ def print_result(result: dict, console: Console = out) -> None:
             cells.append(f"{m['goodput']['mean']:.3f}")
         table.add_row(*cells)
     console.print(table)
+    if kernels := result["workload"].get("engine_kernels"):
+        from serving.engine_setup import describe_kernels
+
+        console.print(f"kernels: {describe_kernels(kernels)}", markup=False, highlight=False)
 
 
 def bench_stage(console: Console, artifact: str) -> dict:

@@ -31,6 +31,7 @@ def generate_cmd(
     from qcompile.cli.console import err
     from qcompile.cli.console import out as console
     from serving.engine import Engine
+    from serving.engine_setup import describe_kernels
 
     engine = Engine.from_artifact(artifact, check_device(device), **({"int4_compute": int4_compute} if int4_compute else {}))
 
@@ -49,6 +50,6 @@ def generate_cmd(
     n, reason, ttft = asyncio.run(run())
     elapsed = time.perf_counter() - start
     console.print()
-    err.print(f"[dim]{n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s, first token {1000 * (ttft or 0):.0f} ms), finish: {reason}, "
-              f"decode attention: {escape(engine.decode_attention)}"
+    err.print(f"[dim]{n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s, first token {1000 * (ttft or 0):.0f} ms), finish: {reason}"
               f"{', INT4: ' + engine.int4['compute'] if engine.int4 else ''}[/dim]")
+    err.print(f"[dim]kernels: {escape(describe_kernels(engine.kernels))}[/dim]")

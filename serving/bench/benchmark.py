@@ -57,9 +57,11 @@ def run_benchmark(target: str, workload: WorkloadConfig, loads: list[LoadConfig]
     runs, interrupted = asyncio.run(_sweep_with_progress(adapter, requests, loads, repeat, slos))
     if not runs:
         raise BenchError("no request finished; nothing was measured")
+    engine = getattr(adapter, "engine", None)  # the in-process engine: what its forward runs, ISA level included
     result = make_result(target, getattr(adapter, "name", type(adapter).__name__), environment(targets.artifact_dir(parsed)),
                          {**workload.describe(), "repeat": repeat, "stream": stream,
-                          **({"engine_plan": engine_plan} if engine_plan else {})}, slos, runs, interrupted)
+                          **({"engine_plan": engine_plan} if engine_plan else {}),
+                          **({"engine_kernels": engine.kernels} if engine is not None else {})}, slos, runs, interrupted)
     _check_failures(result)
     return result
 

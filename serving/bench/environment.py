@@ -70,9 +70,11 @@ def environment(artifact_dir: str | Path | None = None) -> dict:
             gpu = torch.cuda.get_device_name(0)
     except ImportError:
         pass
+    from compiler.kernels.cpu_isa import host_levels
+
     return {
         "hardware": {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "memory_gib": _memory_gib(),
-                     "machine": platform.machine(), "gpu": gpu},
+                     "machine": platform.machine(), "cpu_isa_levels": list(host_levels()), "gpu": gpu},
         "software": {"python": sys.version.split()[0], "os": platform.platform(),
                      **{p: _version(p) for p in PACKAGES}},
         "git": git_commit(),

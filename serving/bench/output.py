@@ -67,11 +67,15 @@ def _fmt(value, digits: int = 1) -> str:
 def markdown_summary(result: dict) -> str:
     """A short markdown table: one row per load point (latencies in ms)."""
     env = result["environment"]
+    kernels = result["workload"].get("engine_kernels")
+    if kernels:
+        from serving.engine_setup import describe_kernels  # the engine's report: torch is loaded already
     lines = [f"# qcompile bench: {result['target']} ({result['adapter']})", "",
              f"{result['created']} · {env['hardware']['cpu']} × {env['hardware']['cpu_count']} · "
              f"commit {str(env['git']['commit'])[:10]} · workload {result['workload']['kind']} "
              f"prompt {result['workload']['prompt_len']} output {result['workload']['output_len']}"
              + (" · **interrupted**" if result["interrupted"] else ""), "",
+             *([f"kernels: {describe_kernels(kernels)}", ""] if kernels else []),
              "| load | ok/total | TTFT p50 | TTFT p99 | ITL p50 | TPOT mean | latency p50 | latency p99 | out tok/s | req/s |"
              + (" goodput |" if result["slos_ms"] else ""),
              "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if result["slos_ms"] else "")]

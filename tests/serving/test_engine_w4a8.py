@@ -10,6 +10,7 @@ from compiler.errors import ConfigError
 from compiler.formats.int4 import Int4Linear
 from compiler.io.load import load_checkpoint
 from compiler.kernels import w4a8_cpu
+from compiler.kernels.cpu_ext import use_isa
 from serving.engine import Engine
 from serving.engine_setup import set_int4_compute
 from serving.types import SamplingParams
@@ -58,11 +59,11 @@ def test_the_engine_runs_w4a8_when_the_plan_asks_and_keeps_greedy_parity(int4_mo
           f" of {len(prompts) * GREEDY.max_tokens}")
 
 
-def test_w4a8_where_it_cannot_run_is_a_clear_error(int4_model, monkeypatch):
+def test_w4a8_where_it_cannot_run_is_a_clear_error(int4_model):
     with pytest.raises(ConfigError, match="is a CPU kernel; on cuda INT4 runs W4A16"):
         set_int4_compute(int4_model.model, "w4a8", torch.device("cuda"))
-    monkeypatch.setattr(w4a8_cpu, "w4a8_unavailable_reason", lambda: "no AVX512-VNNI")
-    with pytest.raises(ConfigError, match="cannot run here: no AVX512-VNNI; serve with int4_compute = .w4a16."):
+    with use_isa(None), pytest.raises(ConfigError, match=r"cannot run here: qcompile's C\+\+ kernels are not loaded: "
+                                                         r"turned off \(use_isa\(None\)\); serve with int4_compute = .w4a16."):
         Engine.from_loaded(int4_model, "cpu", block_size=4, num_blocks=64, int4_compute="w4a8")
     with pytest.raises(ConfigError, match="int4_compute must be one of w4a16, w4a8"):
         Engine.from_loaded(int4_model, "cpu", block_size=4, num_blocks=64, int4_compute="w4a4")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import kernel_levels, kernels_at
 from numerics import relative_error
 from paged_helpers import KERNEL_BOUNDS, scatter_sequences
 
@@ -74,14 +75,20 @@ def test_paged_cache_attend_mixes_decode_and_prefill():
     assert relative_error(out[:, :, :3], want_a) < 1e-5 and relative_error(out[:, :, 3:], want_b) < 1e-5
 
 
-@pytest.mark.parametrize("kernel", ["torch", "cpu"])
+@pytest.mark.parametrize("kernel", ["torch", *(f"cpu-{level}" for level in kernel_levels())])
 @pytest.mark.parametrize("window", [None, 6])
-def test_decode_only_steps_equal_the_reference(request, kernel, window):
+def test_decode_only_steps_equal_the_reference(kernel, window):
     """A decode-only step (no query gather; on the torch path the step's mask and gather buffers
     shared by the layers) gives the reference's output — bit for bit on the torch path — in every
-    layer and again after the batch shrinks."""
-    if kernel == "cpu":
-        request.getfixturevalue("cpu_ops")
+    layer and again after the batch shrinks; the C++ kernel at each ISA level the CPU runs."""
+    if kernel == "torch":
+        return decode_only_steps(kernel, window)
+    level = kernel.removeprefix("cpu-")
+    with kernels_at(None if level == "None" else level):
+        decode_only_steps("cpu", window)
+
+
+def decode_only_steps(kernel: str, window: int | None) -> None:
     hq, hkv, d, bs = 4, 2, 8, 4
     lens = [3, 17, 9]
     k_cache, v_cache, tables, _ = scatter_sequences(lens, 24, bs, hkv, d, seed=7)

@@ -14,8 +14,8 @@ from numerics import FP8_GEMM_BOUNDS, relative_error, stable_seed
 
 from compiler.errors import ArtifactError
 from compiler.formats.fp8 import Fp8Format, Fp8Linear
-from compiler.kernels.cpu_ext import CODES_SWITCH, fp8_codes_gemm_enabled
-from compiler.kernels.dense_cpu import packed_from_rows, packing_available
+from compiler.kernels.dense_cpu import packing_available
+from compiler.kernels.dispatch import CODES_SWITCH, packed_from_rows
 from compiler.kernels.fp8_gemm import dequant_gemm
 from compiler.quant.fp8 import FP8_DTYPES, quantize, quantize_per_token
 
@@ -340,7 +340,7 @@ CODES_CASES = [
 ]
 
 
-@pytest.mark.skipif(not fp8_codes_gemm_enabled(), reason="the C++ kernels are not built for AVX512-BF16 here")
+@pytest.mark.usefixtures("isa")
 @pytest.mark.parametrize("case", CODES_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("rows", [1, 7, 37])
 def test_a_float32_forward_multiplies_the_codes_and_keeps_no_float_copy(case, rows):
@@ -366,7 +366,7 @@ def test_a_float32_forward_multiplies_the_codes_and_keeps_no_float_copy(case, ro
             q.weight.copy_(q.weight.view(torch.uint8).flip(0).view(q.weight.dtype))  # in place: laid out again
 
 
-@pytest.mark.skipif(not fp8_codes_gemm_enabled(), reason="the C++ kernels are not built for AVX512-BF16 here")
+@pytest.mark.usefixtures("isa")
 def test_the_codes_kernel_can_be_turned_off(monkeypatch):
     torch.manual_seed(5)
     q = fp8(nn.Linear(64, 32))

@@ -8,7 +8,7 @@ import torch
 
 from numerics import relative_error, stable_seed
 
-from compiler.kernels.cpu_ext import fp8_codes_gemm_enabled, pack_fp8_codes
+from compiler.kernels.cpu_ext import pack_fp8_codes
 from compiler.kernels.fp8_gemm import dequantize_activations
 from compiler.quant.fp8 import quantize, quantize_per_token
 
@@ -103,9 +103,6 @@ def test_fp8_linear_is_the_python_paths_gemm_bit_for_bit(cpu_ops, bias, rows, pa
     assert relative_error(got, F.linear(a, w, b).reshape(1, rows, 192)) < 1e-6
 
 
-codes_kernel = pytest.mark.skipif(not fp8_codes_gemm_enabled(), reason="the C++ kernels are not built for AVX512-BF16 here")
-
-
 def codes_case(rows, k, n, weight_dtype, seed, per_tensor=False):
     """x, FP8 weight codes with their scales, shift and bias for a codes-kernel test."""
     g = torch.Generator().manual_seed(seed)
@@ -117,7 +114,6 @@ def codes_case(rows, k, n, weight_dtype, seed, per_tensor=False):
             torch.randn(n, generator=g))
 
 
-@codes_kernel
 @pytest.mark.parametrize("weight_dtype", FP8)
 @pytest.mark.parametrize("activation_dtype", FP8)
 @pytest.mark.parametrize("rows, k, n", [(1, 576, 192), (6, 7, 17), (13, 1536, 200), (37, 64, 1)])
@@ -140,7 +136,6 @@ def test_fp8_linear_codes_is_the_dequantize_reference_up_to_rounding(cpu_ops, we
     assert got.shape == (1, rows, n) and error < 1e-6
 
 
-@codes_kernel
 def test_fp8_linear_codes_rows_do_not_depend_on_the_batch(cpu_ops):
     """A row's output is the same bits alone or among 37 (any tile position): a sequence's tokens
     do not change with what else the engine batches with them. A static scale too."""
@@ -154,7 +149,6 @@ def test_fp8_linear_codes_rows_do_not_depend_on_the_batch(cpu_ops):
             assert torch.equal(alone[0, 0], batch[0, row])
 
 
-@codes_kernel
 def test_fp8_linear_codes_lets_nan_through_to_its_row_only(cpu_ops):
     x, codes, w_scale, _, bias = codes_case(3, 64, 32, torch.float8_e4m3fn, 12)
     x[0, 1, 9] = float("nan")
@@ -162,7 +156,6 @@ def test_fp8_linear_codes_lets_nan_through_to_its_row_only(cpu_ops):
     assert torch.isnan(got[0, 1]).all() and torch.isfinite(got[0, [0, 2]]).all()
 
 
-@codes_kernel
 def test_fp8_linear_codes_refuses_a_layout_for_another_shape(cpu_ops):
     x, codes, w_scale, _, _ = codes_case(2, 64, 32, torch.float8_e4m3fn, 13)
     with pytest.raises(RuntimeError, match="packed must be pack_fp8_codes"):

@@ -5,28 +5,30 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import kernel_levels, kernels_at
 from numerics import relative_error
 
 from compiler.kernels import dense_cpu
-from compiler.kernels.dense_cpu import PackedLinear, dense, pack_dense_weight, pack_linears, pack_weight, packed_from_rows
+from compiler.kernels.cpu_ext import cpu_isa_in_use, use_isa
+from compiler.kernels.dense_cpu import PackedLinear, dense, pack_dense_weight, pack_linears, pack_weight
+from compiler.kernels.dispatch import packed_from_rows
 
 # float32 both ways, summed in another order: measured ~1e-7
 TOLERANCE = 1e-6
 
-needs_dense_kernel = pytest.mark.skipif(dense_cpu.dense_kernel() is None,
-                                        reason="qcompile's dense kernel is not built here (no AVX-512 or no compiler)")
-
-
-@pytest.fixture(params=["qcompile", "onednn"])
-def kernel(request, monkeypatch):
-    """Each packed way in turn: qcompile's kernel where it is built, and oneDNN (qcompile's turned off)."""
-    if request.param == "qcompile" and dense_cpu.dense_kernel() is None:
-        pytest.skip("qcompile's dense kernel is not built here (no AVX-512 or no compiler)")
+@pytest.fixture(params=[*(f"qcompile-{level}" for level in kernel_levels()), "onednn"])
+def kernel(request):
+    """Each packed way in turn: qcompile's kernel at each ISA level the CPU runs, and oneDNN
+    (qcompile's turned off)."""
     if request.param == "onednn":
         if not dense_cpu.onednn_available():
             pytest.skip("this torch has no oneDNN")
-        monkeypatch.setattr(dense_cpu, "dense_kernel", lambda: None)
-    return request.param
+        with use_isa(None):
+            yield request.param
+        return
+    level = request.param.removeprefix("qcompile-")
+    with kernels_at(None if level == "None" else level):
+        yield "qcompile"
 
 
 @pytest.mark.parametrize("k, n, bias", [(576, 960, False), (1536, 576, True), (64, 49, True), (7, 3, False)])
@@ -45,37 +47,34 @@ def test_packed_linear_matches_f_linear(kernel, k, n, bias, rows):
     assert packed._packed.value is None or packed._packed.value.is_mkldnn == (kernel == "onednn")
 
 
-@needs_dense_kernel
-def test_the_dense_kernel_gives_a_row_the_same_bits_in_any_batch():
+def test_the_dense_kernel_gives_a_row_the_same_bits_in_any_batch(cpu_ops):
     """Each output is its own row's multiply-add chain over the input in one order, so a token's
     result does not depend on the batch (tiles of 8 rows, 3 blocks of 16 channels, and their remainders)."""
     torch.manual_seed(1)
     w, b = torch.randn(200, 96), torch.randn(200)
     x = torch.randn(19, 96)
     packed = pack_dense_weight(w)
-    ops = dense_cpu.dense_kernel()
+    ops = cpu_ops
     batch = ops.dense_linear(x, packed, 200, b)
     assert relative_error(batch, F.linear(x, w, b)) < TOLERANCE
     for r in range(19):
         assert torch.equal(ops.dense_linear(x[r : r + 1], packed, 200, b)[0], batch[r])
 
 
-@needs_dense_kernel
-def test_the_dense_kernel_keeps_nan_and_inf_in_their_rows():
+def test_the_dense_kernel_keeps_nan_and_inf_in_their_rows(cpu_ops):
     torch.manual_seed(2)
     w = torch.randn(40, 24)
     x = torch.randn(10, 24)
     x[3, 5], x[7, 0] = float("nan"), float("inf")
-    got = dense_cpu.dense_kernel().dense_linear(x, pack_dense_weight(w), 40, None)
+    got = cpu_ops.dense_linear(x, pack_dense_weight(w), 40, None)
     want = x @ w.t()
     assert got[3].isnan().all() and not got[7].isfinite().any()
     others = [r for r in range(10) if r not in (3, 7)]
     assert relative_error(got[others], want[others]) < TOLERANCE
 
 
-@needs_dense_kernel
-def test_the_dense_kernel_refuses_a_weight_packed_for_other_sizes():
-    ops = dense_cpu.dense_kernel()
+def test_the_dense_kernel_refuses_a_weight_packed_for_other_sizes(cpu_ops):
+    ops = cpu_ops
     packed = pack_dense_weight(torch.randn(40, 24))
     with pytest.raises(RuntimeError, match="pack_dense_weight"):
         ops.dense_linear(torch.randn(2, 25), packed, 40, None)  # another K
@@ -117,7 +116,7 @@ def test_dense_takes_the_weight_as_stored_below_the_crossover_and_in_autograd(ke
 def test_pack_linears_packs_float32_cpu_linears_only_and_keeps_their_parameters(kernel):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).to(torch.bfloat16), torch.nn.ReLU())
     weight = model[0].weight
-    want_kernel = "qcompile dense_linear" if kernel == "qcompile" else "oneDNN (qcompile's dense_linear: "
+    want_kernel = f"dense_linear [{cpu_isa_in_use()}]" if kernel == "qcompile" else "oneDNN _linear_pointwise (qcompile's dense_linear: "
     report = pack_linears(model)
     assert report["packed"] == ["0"] and report["kernel"].startswith(want_kernel)
     assert type(model[0]) is PackedLinear and model[0].weight is weight  # tied weights stay tied

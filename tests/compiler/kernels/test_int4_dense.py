@@ -11,9 +11,9 @@ from numerics import relative_error
 import compiler.formats.int4 as int4_format
 from compiler.formats.int4 import Int4Linear, unpack_zeros
 from compiler.kernels import int4_cpu
-from compiler.kernels.int4_cpu import REFERENCE_MIN_TOKENS, int4_dense_enabled, int4_dense_matmul
+from compiler.kernels.int4_cpu import REFERENCE_MIN_TOKENS, int4_dense_matmul
 
-pytestmark = pytest.mark.skipif(not int4_dense_enabled(), reason="qcompile's C++ kernels are not built for AVX-512 here")
+pytestmark = pytest.mark.usefixtures("isa")  # at every ISA level the CPU runs
 
 # the reference's float32 weights, summed in another order: measured ~1e-7 to 7e-7
 TOLERANCE = 2e-6
@@ -77,10 +77,10 @@ def test_autograd_and_other_dtypes_keep_the_reference(monkeypatch):
     assert not calls
 
 
-def test_the_kernel_refuses_operands_that_do_not_fit():
+def test_the_kernel_refuses_operands_that_do_not_fit(cpu_ops):
     layer = random_layer(64, 32, 32, False, seed=3)
     zeros = unpack_zeros(layer.qzeros, layer.n_blocks).float()
-    ops = int4_cpu.dense_kernel()
+    ops = cpu_ops
     codes = layer.qweight.reshape(32, -1)
     with pytest.raises(RuntimeError, match="covering x's K"):
         ops.int4_dense_linear(torch.randn(2, 65), codes, layer.scales, zeros, 32, None)

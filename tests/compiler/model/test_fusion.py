@@ -12,7 +12,6 @@ from numerics import relative_error
 from compiler.formats.fp8 import Fp8Format, Fp8Linear
 from compiler.formats.int4 import Int4Linear
 from compiler.io.load import load_checkpoint
-from compiler.kernels.cpu_ext import fp8_codes_gemm_enabled
 from compiler.kernels.int4_cpu import KERNEL, reference_only
 from compiler.model.fusion import fuse_projections
 from serving.engine import Engine
@@ -103,7 +102,7 @@ def test_fused_fp8_model_matches_unfused(tiny_checkpoint, monkeypatch, behaviour
     assert err < 1e-6, f"relative error {err:.2e}"
 
 
-@pytest.mark.skipif(not fp8_codes_gemm_enabled(), reason="the C++ kernels are not built for AVX512-BF16 here")
+@pytest.mark.usefixtures("isa")
 @pytest.mark.parametrize("behaviour", [{"activation_scheme": "static"}, {"input_shift": True}])
 def test_fused_fp8_model_is_the_unfused_bit_for_bit_on_the_codes_kernel(tiny_checkpoint, behaviour):
     """On the codes kernel each output channel depends on its own codes and its row only, so fusing
