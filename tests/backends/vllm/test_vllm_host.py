@@ -104,8 +104,11 @@ def test_qcompile_serve_refuses_what_vllms_avx2_build_cannot_run_before_it_start
 @pytest.mark.parametrize("name", list(REFUSED_ON_AVX2))
 def test_vllm_server_start_refuses_it_too(exported, name, tmp_path):
     server = tiny_server(exported[name], tmp_path / "vllm.log", python=AVX2_DOUBLE)
-    with pytest.raises(VllmHostError, match=re.escape(REFUSED_ON_AVX2[name])):
-        server.start()
+    try:
+        with pytest.raises(VllmHostError, match=re.escape(REFUSED_ON_AVX2[name])):
+            server.start()
+    finally:
+        server.stop()  # where the check failed to refuse, vLLM is running
     assert server.process is None and not (tmp_path / "vllm.log").exists()
 
 
