@@ -50,18 +50,34 @@ def build_kv_cache(model: torch.nn.Module, plan: ServingPlan, device: torch.devi
     return PagedKVCache(spec, device, k_scales, v_scales, c.sliding_windows)
 
 
+def resolve_int4_compute(compute: str, device: torch.device) -> tuple[str, str | None]:
+    """The plan's ``int4_compute`` as the engine runs it, and why when "auto" did not give W4A8:
+    "auto" is W4A8 on a CPU whose kernels run it (as llama.cpp, ONNX Runtime's MatMulNBits at its
+    default accuracy_level 4 and OpenVINO compute by default), W4A16 elsewhere."""
+    if compute != "auto":
+        return compute, None
+    if device.type != "cpu":
+        return "w4a16", f"auto: W4A8 is a CPU kernel, this engine runs on {device.type}"
+    if why := w4a8_cpu.w4a8_unavailable_reason():
+        return "w4a16", f"auto: W4A8 cannot run here ({why})"
+    return "w4a8", None
+
+
 def set_int4_compute(model: torch.nn.Module, compute: str, device: torch.device) -> dict:
-    """Put every ``Int4Linear`` of ``model`` on the plan's ``int4_compute`` and pack the W4A8 copies
-    now (a one-time cost at load). ``{"compute", "layers", "kernel", "w4a16": {layer: why}}`` for a
-    model with INT4 layers, else {}. W4A8 asked where it cannot run at all is a ConfigError: the
-    plan asked for those numerics, so they are not silently replaced by others."""
+    """Put every ``Int4Linear`` of ``model`` on the plan's ``int4_compute`` (``resolve_int4_compute``)
+    and pack the W4A8 copies now (a one-time cost at load). ``{"compute", "asked", "layers", "kernel",
+    "w4a16": {layer: why}}`` for a model with INT4 layers, else {}. W4A8 asked for by name where it
+    cannot run at all is a ConfigError: the plan asked for those numerics, so they are not silently
+    replaced by others; "auto" says in ``why`` what it chose instead."""
     layers = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
     if not layers:
         return {}
+    asked = compute
+    compute, why_not_w4a8 = resolve_int4_compute(compute, device)
     if compute == "w4a16":
         for layer in layers.values():
             layer.use_w4a8(False)
-        return {"compute": compute, "layers": len(layers)}
+        return {"compute": compute, "asked": asked, "layers": len(layers), **({"why": why_not_w4a8} if why_not_w4a8 else {})}
     if device.type != "cpu":
         raise ConfigError(f"int4_compute \"w4a8\" is a CPU kernel; on {device.type} INT4 runs W4A16: serve with "
                           "int4_compute = \"w4a16\"")
@@ -74,7 +90,8 @@ def set_int4_compute(model: torch.nn.Module, compute: str, device: torch.device)
                 kept[name] = why
             else:
                 layer.w4a8_pack()
-    return {"compute": compute, "layers": len(layers) - len(kept), "kernel": w4a8_cpu.KERNEL, "w4a16": kept}
+    return {"compute": compute, "asked": asked, "layers": len(layers) - len(kept), "kernel": w4a8_cpu.KERNEL,
+            "w4a16": kept}
 
 
 # A prefill's tokens for the report: past every row threshold of the dispatch (INT4's is 256).

@@ -19,7 +19,7 @@ import torch
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
              "float8_e4m3fn": torch.float8_e4m3fn}
 
-INT4_COMPUTES = ("w4a16", "w4a8")
+INT4_COMPUTES = ("auto", "w4a16", "w4a8")
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,12 @@ class ServingPlan:
     ``fuse_projections``: the engine runs q/k/v and gate/up as one matmul each (``compiler/model/fusion.py``).
     ``pack_cpu_weights``: on the CPU, float32 linear layers also keep a packed copy of their weight
     for qcompile's dense kernel or oneDNN (``compiler/kernels/dense_cpu.py``: 4 bytes a weight more).
-    ``int4_compute``: how INT4 layers compute on the CPU: "w4a16", the format's numerics (float
-    activations), or "w4a8", int8 activations per group and integer dot products
-    (``compiler/kernels/w4a8_cpu.py``: 2.3x W4A16's speed at 16 rows, the activations rounded to
-    int8 as ONNX Runtime's accuracy_level 4 and llama.cpp do)."""
+    ``int4_compute``: how INT4 layers compute: "w4a16", the format's numerics (float activations),
+    "w4a8", int8 activations per group and integer dot products (``compiler/kernels/w4a8_cpu.py``,
+    a CPU kernel: the activations rounded to int8 as llama.cpp and ONNX Runtime's MatMulNBits at its
+    default accuracy_level 4 do, for +0.05% perplexity on SmolLM2 and 1.5-2.3x W4A16's speed), or
+    "auto" (the default), W4A8 on a CPU that runs it and W4A16 elsewhere
+    (``serving/engine_setup.resolve_int4_compute``; the engine reports what it chose)."""
 
     block_size: int = 16
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16", "float8_e4m3fn"] = "auto"
@@ -43,7 +45,7 @@ class ServingPlan:
     enable_prefix_caching: bool = True
     fuse_projections: bool = True
     pack_cpu_weights: bool = True
-    int4_compute: Literal["w4a16", "w4a8"] = "w4a16"
+    int4_compute: Literal["auto", "w4a16", "w4a8"] = "auto"
     version: int = 1
 
     def __post_init__(self):

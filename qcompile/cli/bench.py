@@ -47,8 +47,9 @@ def run_cmd(
     stream: bool = typer.Option(True, "--stream/--no-stream", help="triton-http: --no-stream uses /generate (one response; TTFT = latency)."),
     goodput: list[str] = typer.Option([], help="SLOs in ms, a comma list: time_to_first_token:200,request_latency:2000."),
     seed: int = typer.Option(0, help="Seed of the workload and the arrivals."),
-    int4_compute: Optional[str] = typer.Option(None, help="Artifact targets: how INT4 layers compute on the CPU, w4a16 "
-                                                         "(the format) or w4a8 (int8 activations, faster); default: the artifact's plan."),
+    int4_compute: Optional[str] = typer.Option(None, help="Artifact targets: how INT4 layers compute, auto (w4a8 on a "
+                                                         "CPU that runs it), w4a16 (the format) or w4a8 (int8 activations, faster on "
+                                                         "the CPU); default: the artifact's plan."),
     as_json: bool = json_option(),
     output_json: Optional[Path] = output_json_option(),
     output_csv: Optional[Path] = typer.Option(None, help="Write one CSV row per load point here."),

@@ -22,8 +22,9 @@ def generate_cmd(
     stop: list[str] = typer.Option([], "--stop", help="Stop string; repeat the flag for more (not a comma list: a stop string may hold a comma)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep going past the end-of-sequence token."),
     device: Optional[str] = device_option(None, " (default: cuda when available, else cpu)"),
-    int4_compute: Optional[str] = typer.Option(None, help="How INT4 layers compute on the CPU: w4a16 (the format) or "
-                                                         "w4a8 (int8 activations, faster); default: the artifact's plan."),
+    int4_compute: Optional[str] = typer.Option(None, help="How INT4 layers compute: auto (w4a8 on a CPU that runs it), "
+                                                         "w4a16 (the format) or w4a8 (int8 activations, faster on the CPU); default: "
+                                                         "the artifact's plan."),
 ):
     """Generate a completion of PROMPT with ARTIFACT, streamed as it is produced."""
     from rich.markup import escape

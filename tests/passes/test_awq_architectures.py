@@ -31,6 +31,7 @@ from numerics import relative_error
 import passes  # noqa: F401  (registers the passes)
 from calib import load_corpus_text
 from calib.protocol import evaluation_windows, split_tokens
+from compiler.deploy.serving_plan import ServingPlan
 from compiler.formats.int4 import Int4Linear
 from compiler.formats.qlinear import linear_modules
 from compiler.io.artifact import load_artifact
@@ -43,6 +44,7 @@ from compiler.pipeline import PipelineConfig
 from compiler.pipeline.compile import compile_loaded
 from passes.awq_mappings import expand_columns, fold_scales, layer_groups
 from serving.engine import Engine
+from serving.engine_setup import set_int4_compute
 from serving.types import SamplingParams
 
 CALIB = {"corpus": "pydoc", "samples": 4, "seq_len": 64, "seed": 0}
@@ -241,9 +243,11 @@ def serve(path, prompts: list[list[int]], params: SamplingParams):
     generation and the logits its contiguous cache chose them from, then (the engine fuses and packs
     its copy in place) the engine's tokens and logits. The reference's weights are packed as the
     engine's are: where the packed kernel takes a single row (``packed_from_rows()``), MKL's GEMM
-    would round differently in the last bit and flip an FP8 activation code now and then."""
+    would round differently in the last bit and flip an FP8 activation code now and then; its INT4
+    layers compute as the engine's default plan makes them (W4A8 on a CPU that runs it)."""
     model = load_artifact(path).model
     pack_linears(model)
+    set_int4_compute(model, ServingPlan().int4_compute, torch.device("cpu"))
     want = [model.generate(torch.tensor([p]), params.max_tokens)[0, len(p):].tolist() for p in prompts]
     want_logits = [cached_logits(model, p, tokens) for p, tokens in zip(prompts, want)]
     engine = Engine.from_loaded(load_artifact(path), "cpu", block_size=4, num_blocks=48, max_num_batched_tokens=16)

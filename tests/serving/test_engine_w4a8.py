@@ -11,8 +11,9 @@ from compiler.formats.int4 import Int4Linear
 from compiler.io.load import load_checkpoint
 from compiler.kernels import w4a8_cpu
 from compiler.kernels.cpu_ext import use_isa
+from compiler.kernels.dispatch import W4A8
 from serving.engine import Engine
-from serving.engine_setup import set_int4_compute
+from serving.engine_setup import resolve_int4_compute, set_int4_compute
 from serving.types import SamplingParams
 
 needs_kernel = pytest.mark.skipif(w4a8_cpu.w4a8_unavailable_reason() is not None,
@@ -46,7 +47,7 @@ def greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
 def test_the_engine_runs_w4a8_when_the_plan_asks_and_keeps_greedy_parity(int4_model):
     prompts = [[5, 9, 17, 3, 44], list(range(3, 30)), [7] * 9]
     reference = Engine.from_loaded(int4_model, "cpu", block_size=4, num_blocks=64, int4_compute="w4a16")
-    assert reference.int4 == {"compute": "w4a16", "layers": 4 * reference.config.n_layers}  # fused q/k/v and gate/up
+    assert reference.int4 == {"compute": "w4a16", "asked": "w4a16", "layers": 4 * reference.config.n_layers}  # fused q/k/v, gate/up
     w4a16_tokens = greedy(reference, prompts)
     engine = Engine.from_loaded(int4_model, "cpu", block_size=4, num_blocks=64, int4_compute="w4a8")
     assert engine.int4["compute"] == "w4a8" and engine.int4["layers"] == 4 * engine.config.n_layers
@@ -65,8 +66,22 @@ def test_w4a8_where_it_cannot_run_is_a_clear_error(int4_model):
     with use_isa(None), pytest.raises(ConfigError, match=r"cannot run here: qcompile's C\+\+ kernels are not loaded: "
                                                          r"turned off \(use_isa\(None\)\); serve with int4_compute = .w4a16."):
         Engine.from_loaded(int4_model, "cpu", block_size=4, num_blocks=64, int4_compute="w4a8")
-    with pytest.raises(ConfigError, match="int4_compute must be one of w4a16, w4a8"):
+    with pytest.raises(ConfigError, match="int4_compute must be one of auto, w4a16, w4a8"):
         Engine.from_loaded(int4_model, "cpu", block_size=4, num_blocks=64, int4_compute="w4a4")
+
+
+def test_auto_is_w4a8_where_the_cpu_runs_it_and_says_why_not_elsewhere(int4_model):
+    """The default plan, "auto": W4A8 on a CPU with qcompile's kernels (reported as asked "auto"),
+    W4A16 with the reason where they are not loaded, and W4A16 on a GPU."""
+    engine = Engine.from_loaded(int4_model, "cpu", block_size=4, num_blocks=64)
+    assert engine.plan.int4_compute == "auto" and engine.int4["asked"] == "auto"
+    assert engine.int4["compute"] == "w4a8" and engine.int4["layers"] == 4 * engine.config.n_layers
+    assert engine.kernels["int4"]["decode"] == {W4A8.describe(): 4 * engine.config.n_layers}
+    with use_isa(None):
+        fallback = Engine.from_loaded(int4_model, "cpu", block_size=4, num_blocks=64)
+    assert fallback.int4["compute"] == "w4a16" and "auto: W4A8 cannot run here (qcompile's C++ kernels are not loaded" in fallback.int4["why"]
+    assert resolve_int4_compute("auto", torch.device("cuda")) == ("w4a16", "auto: W4A8 is a CPU kernel, this engine runs on cuda")
+    assert resolve_int4_compute("w4a16", torch.device("cpu")) == ("w4a16", None)
 
 
 def test_a_float_model_has_no_int4_report(tiny_checkpoint):

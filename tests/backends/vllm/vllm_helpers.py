@@ -277,7 +277,9 @@ def compare_with_engine(artifact: Path, url: str, model_name: str, dtype: str | 
     if loaded.manifest.get("kv_cache"):
         expected, judge = [_greedy_decode(reference, p) for p in PROMPTS], reference
     else:
-        expected, judge = _tokens(EngineAdapter(Engine.from_loaded(_as_served(artifact, dtype)))), loaded.model
+        # W4A16, as vLLM computes INT4 (the engine's default on a CPU is W4A8)
+        engine = Engine.from_loaded(_as_served(artifact, dtype), int4_compute="w4a16")
+        expected, judge = _tokens(EngineAdapter(engine)), loaded.model
     served = _tokens(OpenAIAdapter(url, model_name))
     problems = [why for p, a, b in zip(PROMPTS, expected, served) if (why := _first_disagreement(judge, p, a, b, TIE[dtype]))]
     assert not problems, problems
