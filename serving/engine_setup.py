@@ -18,7 +18,7 @@ from compiler.formats.fp8 import Fp8Linear
 from compiler.formats.int4 import Int4Linear
 from compiler.kernels import w4a8_cpu
 from compiler.kernels.cpu_ext import cpu_isa_in_use, cpu_kernels_status
-from compiler.kernels.dispatch import fp8_kernel, int4_kernel
+from compiler.kernels.dispatch import fp8_kernel, int4_kernel, resolve_int4_compute
 from serving.paged_cache import KVCacheSpec, PagedKVCache
 
 
@@ -48,19 +48,6 @@ def build_kv_cache(model: torch.nn.Module, plan: ServingPlan, device: torch.devi
         plan.block_size, c.n_layers, heads, dim, dtype, values))
     spec = KVCacheSpec(c.n_layers, num_blocks, plan.block_size, heads, dim, dtype, keys_only=not values)
     return PagedKVCache(spec, device, k_scales, v_scales, c.sliding_windows)
-
-
-def resolve_int4_compute(compute: str, device: torch.device) -> tuple[str, str | None]:
-    """The plan's ``int4_compute`` as the engine runs it, and why when "auto" did not give W4A8:
-    "auto" is W4A8 on a CPU whose kernels run it (as llama.cpp, ONNX Runtime's MatMulNBits at its
-    default accuracy_level 4 and OpenVINO compute by default), W4A16 elsewhere."""
-    if compute != "auto":
-        return compute, None
-    if device.type != "cpu":
-        return "w4a16", f"auto: W4A8 is a CPU kernel, this engine runs on {device.type}"
-    if why := w4a8_cpu.w4a8_unavailable_reason():
-        return "w4a16", f"auto: W4A8 cannot run here ({why})"
-    return "w4a8", None
 
 
 def set_int4_compute(model: torch.nn.Module, compute: str, device: torch.device) -> dict:

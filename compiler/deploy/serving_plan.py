@@ -34,7 +34,7 @@ class ServingPlan:
     a CPU kernel: the activations rounded to int8 as llama.cpp and ONNX Runtime's MatMulNBits at its
     default accuracy_level 4 do, for +0.05% perplexity on SmolLM2 and 1.5-2.3x W4A16's speed), or
     "auto" (the default), W4A8 on a CPU that runs it and W4A16 elsewhere
-    (``serving/engine_setup.resolve_int4_compute``; the engine reports what it chose)."""
+    (``compiler/kernels/dispatch.resolve_int4_compute``; the engine reports what it chose)."""
 
     block_size: int = 16
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16", "float8_e4m3fn"] = "auto"

@@ -1,6 +1,7 @@
 """What ``qcompile inspect`` (and ``qcompile.inspect``) reports about an artifact, read from its
 manifest alone (the weights are not read): passes, formats, per-layer sizes and bits per weight,
-and for INT4 layers what a CPU forward runs on this machine (``cpu_kernel``)."""
+and for INT4 layers what the engine's CPU forward runs on this machine under the artifact's serving
+plan (``cpu_kernel``, with the ISA level of qcompile's kernels: ``cpu_isa``)."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
@@ -8,7 +9,12 @@ from pathlib import Path
 
 from compiler.io.artifact import read_manifest
 from compiler.io.shards import weight_files
+import torch
+
+from compiler.kernels.cpu_ext import cpu_isa_in_use
+from compiler.kernels.dispatch import W4A8, resolve_int4_compute
 from compiler.kernels.int4_cpu import KERNEL, layer_unsupported_reason
+from compiler.kernels.w4a8_cpu import layer_unsupported_reason as w4a8_layer_reason
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
                 "uint8": 1, "int8": 1, "int32": 4, "int64": 8, "bool": 1}
@@ -28,6 +34,7 @@ def artifact_summary(path: str | Path) -> dict:
         module_bytes[module] += n * _DTYPE_BYTES.get(t["dtype"], 4)
         if leaf == "weight" and len(t["shape"]) == 2:
             weight_shape[module] = t["shape"]
+    int4_compute, _ = resolve_int4_compute((manifest.get("serving") or {}).get("int4_compute", "auto"), torch.device("cpu"))
     layers = []
     for module in sorted(set(weight_shape) | set(manifest["modules"])):
         meta = manifest["modules"].get(module, {"format": manifest["dtype"]})
@@ -35,8 +42,7 @@ def artifact_summary(path: str | Path) -> dict:
         layer = {"module": module, **meta, "bytes": module_bytes[module],
                  "bits_per_weight": round(8 * module_bytes[module] / (in_f * out_f), 3)}
         if meta["format"] == "int4":
-            why = layer_unsupported_reason(out_f, meta["padded_in_features"], meta["group_size"])
-            layer["cpu_kernel"] = f"reference: {why}" if why else KERNEL
+            layer["cpu_kernel"] = _int4_cpu_kernel(meta, out_f, int4_compute)
         layers.append(layer)
     weights_bytes = sum(f.stat().st_size for f in weight_files(path))
     return {
@@ -45,8 +51,17 @@ def artifact_summary(path: str | Path) -> dict:
         "passes": [{"name": r["name"], "wall_time_s": r["wall_time_s"], "metrics": r["metrics"], "notes": r.get("notes", [])}
                    for r in manifest["passes"]],
         "formats": dict(Counter(layer["format"] for layer in layers)),
+        "cpu_isa": cpu_isa_in_use(),
         "layers": layers,
         "size": {"weights_bytes": weights_bytes,
                  "total_bytes": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
                  "source_bytes": manifest["source"].get("size_bytes", 0)},
     }
+
+
+def _int4_cpu_kernel(meta: dict, out_features: int, int4_compute: str) -> str:
+    """What an INT4 layer's decode-step forward runs on this CPU under ``int4_compute`` (resolved)."""
+    if int4_compute == "w4a8" and not w4a8_layer_reason(meta["group_size"]):
+        return W4A8.describe()
+    why = layer_unsupported_reason(out_features, meta["padded_in_features"], meta["group_size"])
+    return f"reference: {why}" if why else KERNEL

@@ -3,7 +3,8 @@
 Each layer format asks its function here with the layer and the call's input, and runs the
 ``Kernel`` it gets; nothing else decides:
 
-    int4_kernel(layer, x)       Int4Linear (compiler/formats/int4.py)
+    int4_kernel(layer, x)       Int4Linear (compiler/formats/int4.py); resolve_int4_compute: the serving plan's
+                                int4_compute ("auto": W4A8 on a CPU that runs it)
     fp8_kernel(layer, x)        Fp8Linear (compiler/formats/fp8.py)
     float_kernel(x, weight, packed)   a float32 linear on a packed copy (compiler/kernels/dense_cpu.py)
 
@@ -37,6 +38,7 @@ import torch
 from compiler.kernels import triton_available
 from compiler.kernels.cpu_ext import cpu_isa_in_use, cpu_kernels
 from compiler.kernels.int4_cpu import ACTIVATION_DTYPES, REFERENCE_MIN_TOKENS, activation_unsupported_reason, kernel_enabled
+from compiler.kernels.w4a8_cpu import w4a8_unavailable_reason
 
 CODES_SWITCH = "QCOMPILE_FP8_CPU_CODES"
 FLOAT_WEIGHT_SWITCH = "QCOMPILE_FP8_CPU_FLOAT_WEIGHT"
@@ -109,6 +111,19 @@ def int4_prefill_enabled() -> bool:
     from compiler.kernels.int4_cpu import ENV_SWITCH
 
     return os.environ.get(ENV_SWITCH, "1") != "0" and cpu_kernels() is not None
+
+
+def resolve_int4_compute(compute: str, device: torch.device) -> tuple[str, str | None]:
+    """The plan's ``int4_compute`` as the engine runs it, and why when "auto" did not give W4A8:
+    "auto" is W4A8 on a CPU whose kernels run it (as llama.cpp, ONNX Runtime's MatMulNBits at its
+    default accuracy_level 4 and OpenVINO compute by default), W4A16 elsewhere."""
+    if compute != "auto":
+        return compute, None
+    if device.type != "cpu":
+        return "w4a16", f"auto: W4A8 is a CPU kernel, this engine runs on {device.type}"
+    if why := w4a8_unavailable_reason():
+        return "w4a16", f"auto: W4A8 cannot run here ({why})"
+    return "w4a8", None
 
 
 FP8_CODES = Kernel("fp8_linear_codes", qcompile=True)

@@ -44,6 +44,7 @@ def print_summary(console: Console, s: dict) -> None:
     console.print(f"formats: {formats}")
     cpu_kernels = Counter(layer["cpu_kernel"] for layer in s["layers"] if "cpu_kernel" in layer)
     for how, n in sorted(cpu_kernels.items()):
-        console.print(f"INT4 on this CPU: {n} layers run {how}")
+        console.print(f"INT4 on this CPU: {n} layers run {how}", markup=False)  # "[avx2]" is no markup
+    console.print(f"qcompile's CPU kernels here: {s['cpu_isa'] or 'none'}")
     console.print(f"size on disk: weights {size['weights_bytes'] / 2**20:.1f} MiB, artifact {size['total_bytes'] / 2**20:.1f} MiB; "
                   f"source checkpoint {size['source_bytes'] / 2**20:.1f} MiB")

@@ -11,9 +11,9 @@ from compiler.formats.int4 import Int4Linear
 from compiler.io.load import load_checkpoint
 from compiler.kernels import w4a8_cpu
 from compiler.kernels.cpu_ext import use_isa
-from compiler.kernels.dispatch import W4A8
+from compiler.kernels.dispatch import W4A8, resolve_int4_compute
 from serving.engine import Engine
-from serving.engine_setup import resolve_int4_compute, set_int4_compute
+from serving.engine_setup import set_int4_compute
 from serving.types import SamplingParams
 
 needs_kernel = pytest.mark.skipif(w4a8_cpu.w4a8_unavailable_reason() is not None,

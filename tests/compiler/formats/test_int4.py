@@ -127,18 +127,32 @@ def test_the_packed_copy_is_not_saved_and_follows_the_buffers():
 
 
 @pytest.mark.parametrize("group", [32, 16])
-def test_inspect_reports_what_each_int4_layer_runs_on_this_cpu(tmp_path, group):
+@pytest.mark.parametrize("compute", ["auto", "w4a16"])
+def test_inspect_reports_what_each_int4_layer_runs_on_this_cpu(tmp_path, group, compute):
+    """Under the artifact's serving plan: W4A8 by default (where the kernels run it, with their ISA
+    level), torch's kernel or the reference with why under a W4A16 plan."""
+    from artifact_helpers import read_raw_manifest, rewrite_manifest
     from onnx_helpers import make_artifact
 
     from compiler.io.summary import artifact_summary
+    from compiler.kernels.cpu_ext import cpu_isa_in_use
+    from compiler.kernels.dispatch import W4A8
     from qcompile.cli.report import print_summary
     from rich.console import Console
 
-    summary = artifact_summary(make_artifact(tmp_path, "llama", group))
+    path = make_artifact(tmp_path, "llama", group)
+    if compute != "auto":
+        rewrite_manifest(path, {**read_raw_manifest(path), "serving": {"int4_compute": compute}})
+    summary = artifact_summary(path)
     int4 = [layer for layer in summary["layers"] if layer["format"] == "int4"]
-    expected = KERNEL if group == 32 and not kernel_unavailable_reason() else "reference: "
+    if compute == "auto" and cpu_isa_in_use():
+        expected = W4A8.describe()
+    else:
+        expected = KERNEL if group == 32 and not kernel_unavailable_reason() else "reference: "
     assert int4 and all(layer["cpu_kernel"].startswith(expected) for layer in int4)
     assert all("cpu_kernel" not in layer for layer in summary["layers"] if layer["format"] != "int4")
     console = Console(record=True, width=200)
     print_summary(console, summary)
-    assert f"INT4 on this CPU: {len(int4)} layers run {int4[0]['cpu_kernel']}" in console.export_text()
+    text = console.export_text()
+    assert f"INT4 on this CPU: {len(int4)} layers run {int4[0]['cpu_kernel']}" in text
+    assert f"qcompile's CPU kernels here: {cpu_isa_in_use()}" in text
