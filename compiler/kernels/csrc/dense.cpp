@@ -84,8 +84,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t o
   const float* bias_ptr = bias_data(bias, N, b);
   const float* weights = packed.data_ptr<float>();
   return linear_rows(x, N, [&](const DenseGemm& g) {
-    blocks_gemm(g, n_blocks, [&](int64_t blk, int, std::vector<float>&) { return weights + blk * g.K * 16; },
-                BiasOut{g, bias_ptr});
+    blocks_gemm(g, n_blocks, [&](int64_t blk, int, float*) { return weights + blk * g.K * 16; }, BiasOut{g, bias_ptr});
   });
 }
 
@@ -105,10 +104,9 @@ at::Tensor int4_dense_linear(const at::Tensor& x, const at::Tensor& codes, const
   const Int4Weight w{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), N, codes.size(1),
                      group_size, n_groups};
   return linear_rows(x, N, [&](const DenseGemm& g) {
-    blocks_gemm(g, (N + 15) / 16, [&](int64_t blk, int J, std::vector<float>& panel) {
-      panel.resize(kPanelBlocks * g.K * 16);
-      int4_panel(w, blk, J, g.K, panel.data());
-      return static_cast<const float*>(panel.data());
+    blocks_gemm(g, (N + 15) / 16, [&](int64_t blk, int J, float* panel) {
+      int4_panel(w, blk, J, g.K, panel);
+      return static_cast<const float*>(panel);
     }, BiasOut{g, bias_ptr});
   });
 }

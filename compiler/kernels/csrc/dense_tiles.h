@@ -36,21 +36,22 @@ constexpr int kPanelBlocks = 3;
 // sums) writes channels n..n+count-1 of a row (the bias, scales: the caller's epilogue).
 template <int J, int MB, typename Out>
 void dense_tile(const DenseGemm& g, const float* panel, int64_t m0, int64_t n0, const Out& out) {
-  Vec16 acc[MB][J];
+  constexpr int R = J * kRegsPerBlock;  // the registers a row's sums take
+  Reg acc[MB][R];
   for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < J; ++j) acc[m][j] = Vec16::zero();
+    for (int r = 0; r < R; ++r) acc[m][r] = reg_zero();
   const float* x = g.x + m0 * g.K;
   for (int64_t k = 0; k < g.K; ++k) {
-    Vec16 w[J];
-    for (int j = 0; j < J; ++j) w[j] = Vec16::load(panel + (j * g.K + k) * 16);
+    Reg w[R];
+    for (int r = 0; r < R; ++r) w[r] = reg_load(panel + ((r / kRegsPerBlock) * g.K + k) * 16 + (r % kRegsPerBlock) * kRegLanes);
     for (int m = 0; m < MB; ++m) {
-      const Vec16 xb = Vec16::broadcast(x[m * g.K + k]);
-      for (int j = 0; j < J; ++j) acc[m][j] = fmadd(xb, w[j], acc[m][j]);
+      const Reg xb = reg_broadcast(x[m * g.K + k]);
+      for (int r = 0; r < R; ++r) acc[m][r] = reg_fmadd(xb, w[r], acc[m][r]);
     }
   }
   for (int j = 0; j < J; ++j) {
     const int64_t n = n0 + 16 * j, count = std::min<int64_t>(16, g.N - n);
-    for (int m = 0; m < MB; ++m) out(m0 + m, n, count, acc[m][j]);
+    for (int m = 0; m < MB; ++m) out(m0 + m, n, count, block_of(&acc[m][j * kRegsPerBlock]));
   }
 }
 
@@ -71,18 +72,34 @@ void dense_rows(const DenseGemm& g, const float* panel, int64_t n0, const Out& o
 template <typename Out, int... J>
 void panel_rows_of(const DenseGemm& g, const float* panel, int blocks, int64_t n0, const Out& out,
                    std::integer_sequence<int, J...>) {
+  if (g.M == 1) {  // one row: the panel's blocks in one tile, their sums independent chains (FMA's latency)
+    using Tile = void (*)(const DenseGemm&, const float*, int64_t, int64_t, const Out&);
+    static constexpr Tile one_row[] = {nullptr, dense_tile<1, 1, Out>, dense_tile<2, 1, Out>, dense_tile<3, 1, Out>};
+    static_assert(kPanelBlocks == 3);
+    return one_row[blocks](g, panel, 0, n0, out);
+  }
   using Rows = void (*)(const DenseGemm&, const float*, int64_t, const Out&);
   static constexpr Rows rows[] = {nullptr, dense_rows<J + 1, Out>...};
   for (int j = 0; j < blocks; j += kTileBlocks)
     rows[std::min(kTileBlocks, blocks - j)](g, panel + j * g.K * 16, n0 + 16 * j, out);
 }
 
+// A thread's scratch, kept from call to call: a buffer made per call (hundreds of KB a layer) would
+// be mapped and zeroed by the OS every time, which cost a decode step more than its arithmetic.
+template <typename T>
+std::vector<T>& thread_scratch(size_t size) {
+  static thread_local std::vector<T> scratch;
+  if (scratch.size() < size) scratch.resize(size);
+  return scratch;
+}
+
 // Each thread takes a run of the n_blocks blocks, kPanelBlocks at a time: panel(b, J, buffer)
-// gives blocks b..b+J-1's float32 weights in the panel layout (in place, or built in buffer).
+// gives blocks b..b+J-1's float32 weights in the panel layout (in place, or built in buffer, a
+// thread's scratch of kPanelBlocks * K * 16 floats).
 template <typename Panel, typename Out>
 void blocks_gemm(const DenseGemm& g, int64_t n_blocks, Panel&& panel, const Out& out) {
   at::parallel_for(0, n_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer;
+    float* buffer = thread_scratch<float>(kPanelBlocks * g.K * 16).data();
     for (int64_t b = begin; b < end; b += kPanelBlocks) {
       const int J = static_cast<int>(std::min<int64_t>(kPanelBlocks, end - b));
       panel_rows_of(g, panel(b, J, buffer), J, b * 16, out, std::make_integer_sequence<int, kTileBlocks>());

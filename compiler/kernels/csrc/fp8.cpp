@@ -14,9 +14,10 @@
 //   depends on its own row only, so a token's result does not change with the batch it is in.
 //     avx512_bf16: AVX512-BF16's dot product (vdpbf16ps: pairs of bfloat16 products added into
 //       float32; FP8 values are exact in bfloat16), on the codes turned into bfloat16 by a lookup.
-//     below it: the codes turned into float32 (isa.h's fp8_to_float) a panel at a time, times the
-//       activation codes by dense_tiles.h's float32 tiles. The two differ by the order of their
-//       float32 roundings (each within the bound above of the reference).
+//     below it: the codes turned into float32 through float16 (F16C; isa.h's fp8_as_half), a panel
+//       at a time times the activation codes by dense_tiles.h's float32 tiles, or for one row in
+//       registers as they are read. The two levels differ by the order of their float32 roundings
+//       (each within the bound above of the reference).
 //   The weight is laid out once (compiler/kernels/cpu_ext.py, pack_fp8_codes) as uint8
 //   [N/16, K/2, 16, 2]: for each block of 16 output channels and each pair of input channels, the
 //   16 channels' two codes.
@@ -265,11 +266,11 @@ void codes_gemm(const CodesGemm& g, const uint8_t* packed, int64_t n_blocks, con
   static constexpr Rows rows[] = {nullptr, codes_rows<1>, codes_rows<2>, codes_rows<3>, codes_rows<4>};
   const int64_t groups = (n_blocks + 3) / 4, block = g.K_pairs * 32;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> panel(4 * block);
+    uint16_t* panel = thread_scratch<uint16_t>(4 * block).data();
     for (int64_t group = begin; group < end; ++group) {
       const int64_t b0 = group * 4, J = std::min<int64_t>(4, n_blocks - b0);
-      for (int64_t i = 0; i < J * block; i += 32) _mm512_storeu_si512(panel.data() + i, codes_to_bf16(packed + b0 * block + i, table));
-      rows[J](g, panel.data(), b0 * 16);
+      for (int64_t i = 0; i < J * block; i += 32) _mm512_storeu_si512(panel + i, codes_to_bf16(packed + b0 * block + i, table));
+      rows[J](g, panel, b0 * 16);
     }
   });
 }
@@ -283,20 +284,29 @@ void codes_linear(const DenseGemm& d, const float* values, const float* x_scale,
   codes_gemm(g, packed, (d.N + 15) / 16, CodeTable(weight_dtype == at::kFloat8_e4m3fn ? kE4m3Bf16 : kE5m2Bf16));
 }
 #else
-// J blocks' codes [K_pairs, 16, 2] as float32 in dense_tiles.h's panel layout [K, 16]: each pair's
-// 32 codes split into its even and its odd input channel (a byte shuffle), then made float32.
+// The weights below AVX512-BF16 are float16 values of the codes (isa.h's fp8_as_half: for E4M3 the
+// codes' values times 2^-8, which the row scale takes back, exactly), made float32 for FMAs.
+const __m128i kSplitPairs = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+
+// A pair's 32 codes (16 channels x 2 input channels) as float16: its even input channel's, its odd one's.
+template <bool E4M3>
+inline std::pair<__m256i, __m256i> pair_as_half(const uint8_t* codes) {
+  const __m128i a = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)), kSplitPairs);
+  const __m128i b = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16)), kSplitPairs);
+  return {fp8_as_half<E4M3>(_mm_unpacklo_epi64(a, b)), fp8_as_half<E4M3>(_mm_unpackhi_epi64(a, b))};
+}
+
+// J blocks' codes [K_pairs, 16, 2] in dense_tiles.h's float32 panel layout [K, 16].
 template <bool E4M3>
 void codes_panel(const uint8_t* packed, int64_t b0, int J, int64_t K, float* panel) {
   const int64_t K_pairs = (K + 1) / 2;
-  const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   for (int j = 0; j < J; ++j) {
     const uint8_t* src = packed + (b0 + j) * K_pairs * 32;
     float* p = panel + j * K * 16;
     for (int64_t pair = 0; pair < K_pairs; ++pair) {
-      const __m128i a = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + pair * 32)), split);
-      const __m128i b = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + pair * 32 + 16)), split);
-      fp8_to_float<E4M3>(_mm_unpacklo_epi64(a, b)).store(p + 2 * pair * 16);
-      if (2 * pair + 1 < K) fp8_to_float<E4M3>(_mm_unpackhi_epi64(a, b)).store(p + (2 * pair + 1) * 16);
+      const auto [even, odd] = pair_as_half<E4M3>(src + pair * 32);
+      half_to_float(even).store(p + 2 * pair * 16);
+      if (2 * pair + 1 < K) half_to_float(odd).store(p + (2 * pair + 1) * 16);
     }
   }
 }
@@ -306,23 +316,68 @@ struct CodesOut {
   const DenseGemm& g;
   const float *x_scale, *w_scale, *bias;
   bool per_tensor;
+  float from_half;  // kFp8FromHalf: applied with the row's scale (a power of two: the same bits as on the codes)
   void operator()(int64_t m, int64_t n, int64_t count, Vec16 sums) const {
     const Vec16 ws = per_tensor ? Vec16::broadcast(*w_scale) : Vec16::load_first(w_scale + n, count);
-    Vec16 v = (sums * Vec16::broadcast(x_scale[m])) * ws;
+    Vec16 v = (sums * Vec16::broadcast(x_scale[m] * from_half)) * ws;
     if (bias) v = v + Vec16::load_first(bias + n, count);
     v.store_first(g.y + m * g.N + n, count);
   }
 };
 
+// One row (a decode step's token) against J blocks from b0: each pair's codes made float32 in
+// registers and multiplied at once, no panel (whose store and load cost a single row more than its
+// arithmetic). The multiply-adds of the panel's tiles in the same order, so the same bits.
+template <bool E4M3, int J>
+void codes_row(const uint8_t* packed, const DenseGemm& g, int64_t b0, const CodesOut& out) {
+  const int64_t K_pairs = (g.K + 1) / 2;
+  Reg acc[J][kRegsPerBlock];
+  for (int j = 0; j < J; ++j)
+    for (int r = 0; r < kRegsPerBlock; ++r) acc[j][r] = reg_zero();
+  const uint8_t* blocks = packed + b0 * K_pairs * 32;
+  for (int64_t pair = 0; pair < K_pairs; ++pair) {
+    const bool has_odd = 2 * pair + 1 < g.K;
+    const Reg x_even = reg_broadcast(g.x[2 * pair]), x_odd = reg_broadcast(has_odd ? g.x[2 * pair + 1] : 0.f);
+    for (int j = 0; j < J; ++j) {
+      const auto [even, odd] = pair_as_half<E4M3>(blocks + (j * K_pairs + pair) * 32);
+      Reg w[kRegsPerBlock];
+      half_to_regs(even, w);
+      for (int r = 0; r < kRegsPerBlock; ++r) acc[j][r] = reg_fmadd(x_even, w[r], acc[j][r]);
+      if (has_odd) {
+        half_to_regs(odd, w);
+        for (int r = 0; r < kRegsPerBlock; ++r) acc[j][r] = reg_fmadd(x_odd, w[r], acc[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < J; ++j) {
+    const int64_t n = (b0 + j) * 16;
+    out(0, n, std::min<int64_t>(16, g.N - n), block_of(acc[j]));
+  }
+}
+
+template <bool E4M3>
+void codes_gemm(const DenseGemm& g, const uint8_t* packed, const CodesOut& out) {
+  const int64_t n_blocks = (g.N + 15) / 16;
+  if (g.M > 1) {
+    return blocks_gemm(g, n_blocks, [&](int64_t b, int J, float* panel) {
+      codes_panel<E4M3>(packed, b, J, g.K, panel);
+      return static_cast<const float*>(panel);
+    }, out);
+  }
+  using Row = void (*)(const uint8_t*, const DenseGemm&, int64_t, const CodesOut&);
+  static constexpr Row rows[] = {nullptr, codes_row<E4M3, 1>, codes_row<E4M3, 2>, codes_row<E4M3, 3>};
+  at::parallel_for(0, n_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; b += kPanelBlocks) rows[std::min<int64_t>(kPanelBlocks, end - b)](packed, g, b, out);
+  });
+}
+
 void codes_linear(const DenseGemm& d, const float* values, const float* x_scale, const uint8_t* packed,
                   at::ScalarType weight_dtype, const float* w_scale, bool per_tensor, const float* bias) {
   const DenseGemm g{values, d.M, d.K, d.y, d.N};
-  const bool e4m3 = weight_dtype == at::kFloat8_e4m3fn;
-  blocks_gemm(g, (d.N + 15) / 16, [&](int64_t b, int J, std::vector<float>& panel) {
-    panel.resize(kPanelBlocks * g.K * 16);
-    (e4m3 ? codes_panel<true> : codes_panel<false>)(packed, b, J, g.K, panel.data());
-    return static_cast<const float*>(panel.data());
-  }, CodesOut{g, x_scale, w_scale, bias, per_tensor});
+  if (weight_dtype == at::kFloat8_e4m3fn)
+    codes_gemm<true>(g, packed, CodesOut{g, x_scale, w_scale, bias, per_tensor, kFp8FromHalf<true>});
+  else
+    codes_gemm<false>(g, packed, CodesOut{g, x_scale, w_scale, bias, per_tensor, kFp8FromHalf<false>});
 }
 #endif
 

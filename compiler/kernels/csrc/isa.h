@@ -114,30 +114,63 @@ inline int32_t reduce_add8(__m256i v) {
 }
 #endif
 
-// 16 FP8 codes -> their float32 values, exactly (NaN kept): through float16, whose format holds
-// both FP8 formats' values. E5M2 is float16's top byte. An E4M3 code's bits, shifted so that its
-// exponent lands in float16's, read as float16 are its value times 2^-8 (for subnormal codes
-// too: both formats' subnormals scale by the same 2^8), and 0x7f / 0xff is NaN.
-template <bool E4M3>
-inline Vec16 fp8_to_float(__m128i codes) {
-  const __m256i c = _mm256_cvtepu8_epi16(codes);
-  __m256i half;
-  if constexpr (E4M3) {
-    const __m256i magnitude = _mm256_and_si256(c, _mm256_set1_epi16(0x7f));
-    half = _mm256_or_si256(_mm256_slli_epi16(magnitude, 7), _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8));
-    // NaN codes: a float16 NaN with the code's sign
-    half = _mm256_blendv_epi8(half, _mm256_or_si256(half, _mm256_set1_epi16(0x7e00)),
-                              _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7f)));
-  } else {
-    half = _mm256_slli_epi16(c, 8);
-  }
+// One vector register of floats, and how many of them a block of 16 channels takes: the GEMM tiles
+// keep their sums in arrays of these (GCC keeps a struct of two registers, Vec16's AVX2 form, on
+// the stack in a loop, a store and a load in every sum's dependency chain).
 #if QC_AVX512
-  Vec16 v{_mm512_cvtph_ps(half)};
+using Reg = __m512;
+constexpr int kRegsPerBlock = 1;
+inline Reg reg_zero() { return _mm512_setzero_ps(); }
+inline Reg reg_load(const float* p) { return _mm512_loadu_ps(p); }
+inline Reg reg_broadcast(float x) { return _mm512_set1_ps(x); }
+inline Reg reg_fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec16 block_of(const Reg* r) { return {r[0]}; }
 #else
-  Vec16 v{_mm256_cvtph_ps(_mm256_castsi256_si128(half)), _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1))};
+using Reg = __m256;
+constexpr int kRegsPerBlock = 2;
+inline Reg reg_zero() { return _mm256_setzero_ps(); }
+inline Reg reg_load(const float* p) { return _mm256_loadu_ps(p); }
+inline Reg reg_broadcast(float x) { return _mm256_set1_ps(x); }
+inline Reg reg_fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec16 block_of(const Reg* r) { return {r[0], r[1]}; }
 #endif
-  if constexpr (E4M3) v = v * Vec16::broadcast(256.f);  // a power of two: exact; NaN stays NaN
-  return v;
+constexpr int kRegLanes = 16 / kRegsPerBlock;
+
+// 16 FP8 codes as float16 bits, exactly: float16 holds both FP8 formats' values. An E5M2 code is
+// float16's top byte. An E4M3 code's bits, shifted so that its exponent lands in float16's, read as
+// float16 are its value times 2^-8 (kFp8FromHalf undoes it), subnormal codes too (both formats'
+// subnormals scale by the same 2^8); 0x7f / 0xff (NaN) become a float16 NaN with the code's sign.
+template <bool E4M3>
+inline __m256i fp8_as_half(__m128i codes) {
+  const __m256i c = _mm256_cvtepu8_epi16(codes);
+  if constexpr (!E4M3) return _mm256_slli_epi16(c, 8);
+  const __m256i magnitude = _mm256_and_si256(c, _mm256_set1_epi16(0x7f));
+  const __m256i half = _mm256_or_si256(_mm256_slli_epi16(magnitude, 7),
+                                       _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8));
+  return _mm256_blendv_epi8(half, _mm256_or_si256(half, _mm256_set1_epi16(0x7e00)),
+                            _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7f)));
+}
+
+// What fp8_as_half's values are multiplied by to be the codes' (a power of two: exact).
+template <bool E4M3>
+constexpr float kFp8FromHalf = E4M3 ? 256.f : 1.f;
+
+// 16 float16 values as float32 (F16C: exact).
+inline Vec16 half_to_float(__m256i half) {
+#if QC_AVX512
+  return {_mm512_cvtph_ps(half)};
+#else
+  return {_mm256_cvtph_ps(_mm256_castsi256_si128(half)), _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1))};
+#endif
+}
+
+inline void half_to_regs(__m256i half, Reg* out) {
+#if QC_AVX512
+  out[0] = _mm512_cvtph_ps(half);
+#else
+  out[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
+  out[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+#endif
 }
 
 }  // namespace qcompile_cpu

@@ -42,9 +42,9 @@ inline const float* load_row(const float* src, float scale, float* dst, int64_t 
 inline const float* load_row(const c10::Float8_e4m3fn* src, float scale, float* dst, int64_t n) {
   const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
   int64_t i = 0;
-  const Vec16 scales = Vec16::broadcast(scale);
+  const Vec16 scales = Vec16::broadcast(scale * kFp8FromHalf<true>);  // exact: a power of two
   for (; i + 16 <= n; i += 16)
-    (fp8_to_float<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i))) * scales).store(dst + i);
+    (half_to_float(fp8_as_half<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i)))) * scales).store(dst + i);
   for (; i < n; ++i) dst[i] = kE4m3.value[bits[i]] * scale;
   return dst;
 }

@@ -116,13 +116,14 @@ def codes_case(rows, k, n, weight_dtype, seed, per_tensor=False):
 
 @pytest.mark.parametrize("weight_dtype", FP8)
 @pytest.mark.parametrize("activation_dtype", FP8)
-@pytest.mark.parametrize("rows, k, n", [(1, 576, 192), (6, 7, 17), (13, 1536, 200), (37, 64, 1)])
+@pytest.mark.parametrize("rows, k, n", [(1, 576, 192), (1, 7, 17), (6, 7, 17), (13, 1536, 200), (37, 64, 1)])
 @pytest.mark.parametrize("per_tensor", [False, True])
 def test_fp8_linear_codes_is_the_dequantize_reference_up_to_rounding(cpu_ops, weight_dtype, activation_dtype, rows, k,
                                                                      n, per_tensor):
     """The codes kernel against the float32 dequantize reference (``fp8_fake_quant_rows`` times
     ``dequantize_weight``): the same FP8 codes, so only float32 rounding apart (relative error
-    printed); odd K (a padded pair), N not a multiple of 16 (a masked block), 6+ rows (several tiles)."""
+    printed); odd K (a padded pair), N not a multiple of 16 (a masked block), one row (made float32 in
+    registers) and 6+ rows (a panel, several tiles)."""
     import torch.nn.functional as F
 
     from compiler.kernels.fp8_gemm import dequantize_weight
@@ -136,10 +137,12 @@ def test_fp8_linear_codes_is_the_dequantize_reference_up_to_rounding(cpu_ops, we
     assert got.shape == (1, rows, n) and error < 1e-6
 
 
-def test_fp8_linear_codes_rows_do_not_depend_on_the_batch(cpu_ops):
-    """A row's output is the same bits alone or among 37 (any tile position): a sequence's tokens
-    do not change with what else the engine batches with them. A static scale too."""
-    x, codes, w_scale, shift, bias = codes_case(37, 576, 200, torch.float8_e4m3fn, 11)
+@pytest.mark.parametrize("k", [576, 575])
+def test_fp8_linear_codes_rows_do_not_depend_on_the_batch(cpu_ops, k):
+    """A row's output is the same bits alone (the one-row path) or among 37 (the panel's tiles, any
+    position): a sequence's tokens do not change with what else the engine batches with them. A
+    static scale too; an odd K (a padded pair)."""
+    x, codes, w_scale, shift, bias = codes_case(37, k, 200, torch.float8_e4m3fn, 11)
     packed = pack_fp8_codes(codes)
     for static in (None, torch.tensor([0.02])):
         batch = cpu_ops.fp8_linear_codes(x, shift, static, torch.float8_e4m3fn, packed, codes.dtype, w_scale, 200, bias)
@@ -154,6 +157,20 @@ def test_fp8_linear_codes_lets_nan_through_to_its_row_only(cpu_ops):
     x[0, 1, 9] = float("nan")
     got = cpu_ops.fp8_linear_codes(x, None, None, torch.float8_e4m3fn, pack_fp8_codes(codes), codes.dtype, w_scale, 32, bias)
     assert torch.isnan(got[0, 1]).all() and torch.isfinite(got[0, [0, 2]]).all()
+
+
+@pytest.mark.parametrize("weight_dtype", FP8)
+@pytest.mark.parametrize("rows", [1, 7])
+def test_a_nan_weight_code_makes_its_channel_nan_and_only_it(cpu_ops, weight_dtype, rows):
+    """As the dequantize reference: a NaN code (E4M3's 0x7f/0xff, E5M2's) gives NaN in its output
+    channel, for one row and for a panel's rows, never a finite value."""
+    x, codes, w_scale, _, _ = codes_case(rows, 64, 40, weight_dtype, 14)
+    codes = codes.clone()
+    codes[3, 10] = torch.tensor(float("nan")).to(weight_dtype)
+    codes[37, 63] = torch.tensor(-float("nan")).to(weight_dtype)
+    got = cpu_ops.fp8_linear_codes(x, None, None, torch.float8_e4m3fn, pack_fp8_codes(codes), weight_dtype, w_scale, 40, None)
+    nan_channels = got[0].isnan().all(0)
+    assert nan_channels[[3, 37]].all() and not nan_channels.sum() > 2 and got[0][:, ~nan_channels].isfinite().all()
 
 
 def test_fp8_linear_codes_refuses_a_layout_for_another_shape(cpu_ops):
