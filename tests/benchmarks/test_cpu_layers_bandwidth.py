@@ -65,7 +65,7 @@ def test_f32_gguf_holds_the_float_weights(bench, tmp_path):
 
 
 def test_the_table_keeps_rows_without_a_figure(bench, capsys):
-    meta = {"cpu": "a CPU", "threads": 2, "torch": "2", "torch_cpu_capability": "AVX512", "bandwidth_gb_s": 40.0,
+    meta = {"cpu": "a CPU", "threads": 2, "clock": "wall", "torch": "2", "torch_cpu_capability": "AVX512", "bandwidth_gb_s": 40.0,
             "bandwidth_gib": 1.0, "context": 128, "vocab": 256, "load_average_start": 0.5, "load_average_end": 1.0}
     step = bench.figures(int(1e9), 50.0, 40.0)
     assert step == {"ms": 50.0, "gb_s": 20.0, "share_of_bandwidth": 0.5}
