@@ -66,11 +66,13 @@ def test_f32_gguf_holds_the_float_weights(bench, tmp_path):
 
 def test_the_table_keeps_rows_without_a_figure(bench, capsys):
     meta = {"cpu": "a CPU", "threads": 2, "clock": "wall", "torch": "2", "torch_cpu_capability": "AVX512", "bandwidth_gb_s": 40.0,
-            "bandwidth_gib": 1.0, "context": 128, "vocab": 256, "load_average_start": 0.5, "load_average_end": 1.0}
-    step = bench.figures(int(1e9), 50.0, 40.0)
-    assert step == {"ms": 50.0, "gb_s": 20.0, "share_of_bandwidth": 0.5}
-    rows = [{"model": "m", "format": "int4", "kernel": "k", "weight_bytes": int(1e9), "rows_1": step, "rows_16": step},
-            {"model": "m", "format": "llama.cpp Q4_0", "kernel": "llama.cpp", "weight_bytes": int(1e9), "rows_1": step}]
+            "bandwidth_probes": [40.0, 30.0], "bandwidth_gib": 1.0, "context": 128, "vocab": 256, "load_average_start": 0.5, "load_average_end": 1.0}
+    rows = [{"model": "m", "format": "int4", "kernel": "k", "weight_bytes": int(1e9),
+             "rows_1": bench.figures(int(1e9), 50.0), "rows_16": bench.figures(int(1e9), 50.0)},
+            {"model": "m", "format": "llama.cpp Q4_0", "kernel": "llama.cpp", "weight_bytes": int(1e9),
+             "rows_1": bench.figures(int(1e9), 50.0)}]
+    bench.add_shares(rows, 40.0)
+    assert rows[1]["rows_1"] == {"ms": 50.0, "gb_s": 20.0, "share_of_bandwidth": 0.5}
     bench.print_table(rows, meta, [1, 16])
     lines = capsys.readouterr().out.splitlines()
     assert lines[-2] == "| m | int4 | k | 1000.0 | 50.00 | 20.0 | 50% | 50.00 | 20.0 | 50% |"
