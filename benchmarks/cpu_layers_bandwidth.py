@@ -68,7 +68,6 @@ sys.path.insert(0, str(ROOT))
 from compiler.deploy.serving_plan import ServingPlan  # noqa: E402
 from compiler.formats.fp8 import Fp8Linear  # noqa: E402
 from compiler.formats.int4 import Int4Linear  # noqa: E402
-from compiler.kernels.cpu_ext import fp8_codes_gemm_enabled  # noqa: E402
 from compiler.model.config import ModelConfig  # noqa: E402
 from compiler.model.transformer import Transformer  # noqa: E402
 from serving.engine import Engine  # noqa: E402
@@ -142,12 +141,11 @@ def stored_bytes(module: nn.Module) -> int:
 
 
 def kernel_of(engine: Engine, fmt: Format) -> str:
-    """What the format's linears run in this engine."""
-    if fmt.kind == "int4":
-        return ", ".join(sorted({m.kernel for m in engine.model.modules() if isinstance(m, Int4Linear)}))
-    if fmt.kind == "fp8":
-        return "qcompile fp8_linear_codes" if fp8_codes_gemm_enabled() else "fp8_linear on a float32 copy"
-    return engine.packing.get("kernel", "F.linear")
+    """What the format's linears run in a decode step of this engine (its kernel report: the ISA level
+    of qcompile's kernels named beside them)."""
+    if fmt.kind in ("int4", "fp8"):
+        return ", ".join(engine.kernels[fmt.kind]["decode"])
+    return engine.kernels["linear"]
 
 
 def serve(model: Transformer, fmt: Format, num_blocks: int) -> Engine:
