@@ -1,6 +1,6 @@
 """qcompile (engine, ONNX Runtime) against vLLM CPU, llama.cpp and onnxruntime-genai on SmolLM2, in one run.
 
-    python benchmarks/engine_vs_peers.py --float out/float --int4 out/awq-g128 [--int4-head out/awq-g128-head] [--w4a8] --fp8 out/fp8 \
+    python benchmarks/engine_vs_peers.py --float out/float --int4 out/awq-g128 [--int4-head out/awq-g128-head] [--w4a16] --fp8 out/fp8 \
         [--vllm --vllm-int4 out/awq-g128-fp16 --vllm-fp8 out/fp8-vllm] [--onnx [--onnx-standard]] [--llama-cpp-path /tmp/llama-tools] \
         [--genai-path /tmp/ortgenai --genai-model /tmp/genai-int4] [--threads 2] [--output-len 128] \
         [--json docs/data/engine_vs_peers.json] [--plot out/engine_vs_peers.png]
@@ -29,8 +29,17 @@ one generator over a batch of 16, timed from the prompts to the last token. Rati
 and the runtimes run one after another, interleaved per ``--rounds``, so that load from other
 processes falls on all of them: on a shared machine compare the ratios, not the times.
 
-``--w4a8`` adds the INT4 artifacts served with ``int4_compute = "w4a8"`` (int8 activations,
-``compiler/kernels/w4a8_cpu.py``), beside their W4A16 rows.
+The INT4 artifacts are served with ``int4_compute = "w4a8"`` (int8 activations,
+``compiler/kernels/w4a8_cpu.py``: the engine's default on a CPU that runs it); ``--w4a16`` adds
+them served with the format's float activations. llama.cpp runs the shipped Q4_1 file and a Q4_0
+one its own quantizer makes from it (the same float weights; ``llama_model_quantize``, as
+``llama-quantize``). The ISA column names the level each runtime's CPU kernels run at: qcompile's
+from the engine's report (``QCOMPILE_CPU_ISA`` caps it), vLLM's the build of its C++ ops it loads
+(``_C``: AVX-512 with BF16; ``_C_AVX512``; ``_C_AVX2``), llama.cpp's from its build's system
+info; ONNX Runtime and onnxruntime-genai pick theirs by cpuid, with no switch to cap them. To
+measure an AVX2 host's figures on an AVX-512 one: ``QCOMPILE_CPU_ISA=avx2``, vLLM through
+``QCOMPILE_VLLM_PYTHON=tests/doubles/vllm_avx2_host/python`` (a test double: vLLM sees an
+AVX2-only CPU and loads ``_C_AVX2``), and a llama.cpp built without AVX-512 (``--llama-cpp-path``).
 
 A runtime that fails or runs past ``--runtime-timeout`` gets a row saying so, and the run goes on
 to the next one (qcompile float excepted: every ratio is against it).
@@ -52,6 +61,8 @@ sys.path.insert(0, str(ROOT))
 from serving.bench.workload import LengthDist, WorkloadConfig, build_requests  # noqa: E402
 
 VLLM_PORT = 18470
+# ONNX Runtime's MLAS (genai's too) picks its kernels by cpuid, with no switch to cap them: the CPU's best.
+MLAS_ISA = "the CPU's (cpuid)"
 LLAMA_CPP_SCRIPT = r"""
 import json, sys, time
 from llama_cpp import Llama
@@ -67,7 +78,23 @@ for prompt in cfg["prompts"]:
         if len(stamps) == cfg["output_len"]:
             break
     per_token.append(1e3 * (stamps[-1] - stamps[0]) / (len(stamps) - 1))
-print(json.dumps({"ms_per_token": per_token, "tokens": cfg["output_len"]}))
+import llama_cpp
+features = llama_cpp.llama_print_system_info().decode()
+print(json.dumps({"ms_per_token": per_token, "tokens": cfg["output_len"], "system_info": features}))
+"""
+
+# llama.cpp's own quantizer (llama_model_quantize, what llama-quantize runs): the shipped Q4_1 file's
+# weights, dequantized (they are the float model every ratio is against), quantized to Q4_0.
+LLAMA_CPP_QUANTIZE_SCRIPT = r"""
+import json, sys
+import llama_cpp
+cfg = json.loads(sys.stdin.read())
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+params.allow_requantize = True
+params.nthread = cfg["threads"]
+code = llama_cpp.llama_model_quantize(cfg["source"].encode(), cfg["out"].encode(), params)
+print(json.dumps({"code": code}))
 """
 
 
@@ -106,8 +133,8 @@ def smollm2_gguf() -> Path:
 
 
 def bench(target: str, concurrency: int, requests: int, args, tokenizer: Path | None = None,
-          engine_plan: dict | None = None) -> dict:
-    """One load point through the bench suite; the run's metrics."""
+          engine_plan: dict | None = None) -> tuple[dict, dict]:
+    """One load point through the bench suite; the run's metrics and its workload record."""
     from serving.bench.benchmark import load_points, run_benchmark
 
     workload = WorkloadConfig(prompt_len=LengthDist("fixed", args.prompt_len),
@@ -117,14 +144,18 @@ def bench(target: str, concurrency: int, requests: int, args, tokenizer: Path | 
     metrics = result["runs"][0]["metrics"]
     if metrics["counts"]["output_length_mismatch"]:
         raise RuntimeError(f"{target}: {metrics['counts']['output_length_mismatch']} requests stopped early")
-    return metrics
+    return metrics, result["workload"]
 
 
 def both_workloads(target: str, args, tokenizer: Path | None = None, engine_plan: dict | None = None) -> dict:
-    """The row's two figures: ms/token at one request, tokens/s at 16 concurrent."""
-    m1 = bench(target, 1, args.single_requests, args, tokenizer, engine_plan)
-    m16 = bench(target, 16, 16, args, tokenizer, engine_plan)
-    return {"ms_per_token_c1": m1["time_per_output_token"]["mean"], "tok_s_c16": m16["output_token_throughput"]["mean"]}
+    """The row's two figures: ms/token at one request, tokens/s at 16 concurrent (and the in-process
+    engine's ISA level, from its kernel report)."""
+    m1, workload = bench(target, 1, args.single_requests, args, tokenizer, engine_plan)
+    m16, _ = bench(target, 16, 16, args, tokenizer, engine_plan)
+    row = {"ms_per_token_c1": m1["time_per_output_token"]["mean"], "tok_s_c16": m16["output_token_throughput"]["mean"]}
+    if kernels := workload.get("engine_kernels"):
+        row["isa"] = kernels["isa"] or "none"
+    return row
 
 
 def context_len(args) -> int:
@@ -152,7 +183,7 @@ def lowered(artifact: Path, target: str, dest: Path, *flags: str) -> Path:
 
 
 def run_vllm(artifact: Path, args, eager: bool = False) -> dict:
-    from backends.vllm.runtime import VllmOptions, VllmServer
+    from backends.vllm.runtime import VllmOptions, VllmServer, vllm_host
 
     ckpt = lowered(artifact, "vllm", args.work_dir / f"vllm-{artifact.name}")
     # vLLM's CPU wheel pins its OpenMP threads to cores; the same count as torch's and llama.cpp's.
@@ -160,14 +191,36 @@ def run_vllm(artifact: Path, args, eager: bool = False) -> dict:
     opts = VllmOptions(ckpt, port=VLLM_PORT, served_name="model", max_model_len=context_len(args),
                        extra_args=["--enforce-eager"] if eager else [])
     with VllmServer(opts, log_path=args.work_dir / f"vllm-{artifact.name}.log") as server:
-        return both_workloads(f"openai://{server.url}/{server.model}", args, tokenizer=artifact)
+        row = both_workloads(f"openai://{server.url}/{server.model}", args, tokenizer=artifact)
+    return {**row, "isa": vllm_host(server.python).build}
 
 
-def run_llama_cpp(args) -> dict:
-    cfg = {"gguf": str(smollm2_gguf()), "threads": args.threads, "n_ctx": context_len(args),
+def run_llama_cpp(args, gguf: Path) -> dict:
+    cfg = {"gguf": str(gguf), "threads": args.threads, "n_ctx": context_len(args),
            "prompts": child_prompts(args, 1 + args.single_requests), "output_len": args.output_len}
     out = run_child(args.llama_cpp_python, args.llama_cpp_path, LLAMA_CPP_SCRIPT, cfg, "llama.cpp")
-    return {"ms_per_token_c1": mean_after_warmup(out["ms_per_token"]), "tok_s_c16": None}
+    return {"ms_per_token_c1": mean_after_warmup(out["ms_per_token"]), "tok_s_c16": None,
+            "isa": llama_cpp_isa(out["system_info"])}
+
+
+def llama_cpp_isa(system_info: str) -> str:
+    """The best x86 level llama.cpp's CPU build says it was built with (its system-info line)."""
+    on = {part.split("=")[0].strip() for part in system_info.split("|") if part.strip().endswith("= 1")}
+    for level, feature in (("avx512_bf16", "AVX512_BF16"), ("avx512_vnni", "AVX512_VNNI"), ("avx512", "AVX512"), ("avx2", "AVX2")):
+        if feature in on:
+            return level
+    return "below avx2"
+
+
+def llama_cpp_q4_0(args) -> Path:
+    """SmolLM2 as Q4_0, made by llama.cpp's own quantizer from the shipped file (once, in the work dir)."""
+    out = args.work_dir / "smollm2-q4_0.gguf"
+    if not out.is_file():
+        cfg = {"source": str(smollm2_gguf()), "out": str(out), "threads": args.threads}
+        done = run_child(args.llama_cpp_python, args.llama_cpp_path, LLAMA_CPP_QUANTIZE_SCRIPT, cfg, "llama.cpp's quantizer")
+        if done["code"] != 0 or not out.is_file():
+            raise RuntimeError(f"llama_model_quantize returned {done['code']}")
+    return out
 
 
 def run_onnx(artifact: Path, args, standard: bool = False) -> dict:
@@ -183,7 +236,7 @@ def run_onnx(artifact: Path, args, standard: bool = False) -> dict:
     bundle = lowered(artifact, "onnx", dest, *flags)
     # The bench suite opens the adapter with its defaults (a thread per core); --threads, as every runtime gets.
     with mock.patch.object(OnnxRuntimeAdapter, "from_dir", classmethod(lambda cls, d: cls(d, threads=args.threads))):
-        return both_workloads(str(bundle), args, tokenizer=artifact)
+        return {**both_workloads(str(bundle), args, tokenizer=artifact), "isa": MLAS_ISA}
 
 
 def child_prompts(args, count: int) -> list[list[int]]:
@@ -210,20 +263,18 @@ def run_genai(args) -> dict:
     cfg = {"model": str(args.genai_model), "prompts": prompts[: 1 + args.single_requests],
            "batch": prompts[1 + args.single_requests:], "output_len": args.output_len, "threads": args.threads}
     out = run_child(args.genai_python, args.genai_path, GENAI_SCRIPT, cfg, "onnxruntime-genai")
-    return {"ms_per_token_c1": mean_after_warmup(out["ms_per_token"]), "tok_s_c16": out["tok_s_batch"]}
+    return {"ms_per_token_c1": mean_after_warmup(out["ms_per_token"]), "tok_s_c16": out["tok_s_batch"], "isa": MLAS_ISA}
 
 
 def runtimes(args) -> list[tuple[str, callable]]:
     """(label, measure) in run order: qcompile float first, the reference of every ratio."""
     out = [("qcompile float32", lambda: run_engine(args.float, args))]
-    if args.int4:
-        out.append(("qcompile AWQ INT4", lambda: run_engine(args.int4, args)))
-    if args.int4_head:
-        out.append(("qcompile AWQ INT4 + INT4 lm_head", lambda: run_engine(args.int4_head, args)))
-    if args.w4a8:
-        for label, artifact in (("AWQ INT4", args.int4), ("AWQ INT4 + INT4 lm_head", args.int4_head)):
-            if artifact:
-                out.append((f"qcompile {label}, W4A8", lambda artifact=artifact: run_engine(artifact, args, W4A8)))
+    int4 = [(label, artifact) for label, artifact in (("AWQ INT4", args.int4), ("AWQ INT4 + INT4 lm_head", args.int4_head))
+            if artifact]
+    for compute, asked in (("w4a8", True), ("w4a16", args.w4a16)):
+        for label, artifact in int4 if asked else ():
+            plan = {"int4_compute": compute}
+            out.append((f"qcompile {label}, {compute.upper()}", lambda artifact=artifact, plan=plan: run_engine(artifact, args, plan)))
     if args.fp8:
         out.append(("qcompile FP8", lambda: run_engine(args.fp8, args)))
     if args.vllm:
@@ -242,13 +293,11 @@ def runtimes(args) -> list[tuple[str, callable]]:
             if artifact:
                 out.append((f"qcompile {label} → ONNX Runtime", lambda artifact=artifact: run_onnx(artifact, args)))
     if args.llama_cpp_path:
-        out.append(("llama.cpp Q4_1 GGUF", lambda: run_llama_cpp(args)))
+        out.append(("llama.cpp Q4_1 GGUF", lambda: run_llama_cpp(args, smollm2_gguf())))
+        out.append(("llama.cpp Q4_0 GGUF", lambda: run_llama_cpp(args, llama_cpp_q4_0(args))))
     if args.genai_path:
         out.append(("onnxruntime-genai INT4 (its builder)", lambda: run_genai(args)))
     return out
-
-
-W4A8 = {"int4_compute": "w4a8"}
 
 
 class RuntimeTimeout(Exception):
@@ -280,7 +329,8 @@ def table_rows(results: dict[str, list[dict]]) -> list[dict]:
     rows = []
     for label, runs in results.items():
         done = [r for r in runs if "error" not in r]
-        rows.append({"runtime": label, "ms_per_token_c1": mean([r["ms_per_token_c1"] for r in done]),
+        rows.append({"runtime": label, "isa": ", ".join(sorted({r["isa"] for r in done if "isa" in r})) or None,
+                     "ms_per_token_c1": mean([r["ms_per_token_c1"] for r in done]),
                      "tok_s_c16": mean([r["tok_s_c16"] for r in done]),
                      "errors": [r["error"] for r in runs if "error" in r]})
     base = rows[0]
@@ -297,10 +347,10 @@ def print_table(rows: list[dict], args) -> None:
 
     print(f"\nSmolLM2-135M, {args.prompt_len} prompt / {args.output_len} output tokens, greedy, EOS ignored, "
           f"{args.threads} threads, {args.rounds} round(s)")
-    print("| runtime | decode ms/token, 1 request | × float (speed) | output tok/s, 16 concurrent | × float |")
-    print("|---|---:|---:|---:|---:|")
+    print("| runtime | ISA | decode ms/token, 1 request | × float (speed) | output tok/s, 16 concurrent | × float |")
+    print("|---|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['runtime']} | {fmt(r['ms_per_token_c1'], 1)} | {fmt(r['speedup_c1_vs_float'], 2)} | "
+        print(f"| {r['runtime']} | {r['isa'] or '—'} | {fmt(r['ms_per_token_c1'], 1)} | {fmt(r['speedup_c1_vs_float'], 2)} | "
               f"{fmt(r['tok_s_c16'], 1)} | {fmt(r['throughput_c16_vs_float'], 2)} |")
     for r in rows:
         for error in r["errors"]:
@@ -336,7 +386,9 @@ def main() -> None:
     p.add_argument("--float", type=Path, required=True, help="the float artifact (qcompile compile -c examples/float.toml)")
     p.add_argument("--int4", type=Path, help="an INT4 artifact (examples/awq_g128.toml)")
     p.add_argument("--int4-head", type=Path, help="an INT4 artifact with lm_head in INT4 too (examples/awq_g128_int4_head.toml)")
-    p.add_argument("--w4a8", action="store_true", help="also the INT4 artifacts served with int8 activations (int4_compute w4a8)")
+    p.add_argument("--w4a16", action="store_true",
+                   help="also the INT4 artifacts served with the format's float activations (int4_compute w4a16), "
+                        "beside W4A8 (the CPU default)")
     p.add_argument("--fp8", type=Path, help="an FP8 artifact (examples/fp8.toml)")
     p.add_argument("--vllm", action="store_true", help="also vLLM CPU on the float, INT4 and FP8 artifacts, lowered for it")
     # vLLM runs INT4 in float16 only and has no FP8 input shift: artifacts compiled for it
@@ -366,8 +418,8 @@ def main() -> None:
         p.error("--genai-path and --genai-model go together")
     if args.onnx_standard and not args.onnx:
         p.error("--onnx-standard goes with --onnx")
-    if args.w4a8 and not (args.int4 or args.int4_head):
-        p.error("--w4a8 goes with --int4 or --int4-head")
+    if args.w4a16 and not (args.int4 or args.int4_head):
+        p.error("--w4a16 goes with --int4 or --int4-head")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     plan = runtimes(args)
     results: dict[str, list[dict]] = {label: [] for label, _ in plan}

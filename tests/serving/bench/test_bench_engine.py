@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from compiler.kernels.cpu_ext import cpu_isa_in_use
+from compiler.kernels.cpu_isa import host_levels
 from compiler.pipeline import PipelineConfig
 from compiler.pipeline.compile import compile_model
 
@@ -31,6 +33,9 @@ def test_bench_engine_counts_tokens_and_requests(tiny_artifact, tmp_path, monkey
     assert exit_info.value.code in (0, None), capsys.readouterr().err
     result = json.loads(out.read_text())
     assert result["adapter"] == "engine" and result["environment"]["artifact_manifest_sha256"]
+    # what the engine ran, with the ISA level of qcompile's CPU kernels, and the levels this CPU has
+    assert result["workload"]["engine_kernels"]["isa"] == cpu_isa_in_use()
+    assert result["environment"]["hardware"]["cpu_isa_levels"] == list(host_levels())
     for run in result["runs"]:
         counts = run["metrics"]["counts"]
         assert counts["requests"] == counts["successful"] == 6 and counts["failed"] == 0
