@@ -14,7 +14,7 @@ if [ "${#levels[@]}" -lt 2 ]; then
   exit 0
 fi
 for level in "${levels[@]:0:${#levels[@]}-1}"; do
-  torch_level=$([ "$level" = avx2 ] && echo avx2 || echo avx512)
+  case "$level" in avx2*) torch_level=avx2 ;; *) torch_level=avx512 ;; esac
   echo "== the kernels, the layers and the engine at QCOMPILE_CPU_ISA=$level (torch at $torch_level)"
   QCOMPILE_CPU_ISA=$level ATEN_CPU_CAPABILITY=$torch_level .venv/bin/python -m pytest -q -p no:cacheprovider \
     -m "not slow and not integration" tests/compiler/kernels tests/compiler/formats tests/compiler/model tests/serving "$@"

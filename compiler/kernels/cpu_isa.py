@@ -7,12 +7,17 @@ serves every x86-64-v3 server CPU, and a host can test each level up to its own:
 
     QCOMPILE_CPU_ISA=avx2 qcompile bench out/awq     # the AVX2 kernels, on an AVX-512 CPU too
 
-The levels, each the one before plus (``csrc/isa.h`` has what each kernel family does with them):
+The levels, lowest first (``csrc/isa.h`` has what each kernel family does with them):
 
     avx2         x86-64-v3: AVX2, FMA, F16C, BMI2, MOVBE (Intel Haswell, AMD Zen and later)
+    avx2_vnni    avx2 and AVX-VNNI, 256-bit int8 dot products (Intel Alder Lake, Sierra Forest,
+                 Sapphire Rapids; AMD Zen 5)
     avx512       x86-64-v4: AVX-512 F/BW/CD/DQ/VL (Intel Skylake-SP)
-    avx512_vnni  AVX512-VNNI (Intel Cascade Lake, Ice Lake)
-    avx512_bf16  AVX512-BF16 (Intel Cooper Lake, Sapphire Rapids; AMD Zen 4)
+    avx512_vnni  avx512 and AVX512-VNNI (Intel Cascade Lake, Ice Lake)
+    avx512_bf16  avx512_vnni and AVX512-BF16 (Intel Cooper Lake, Sapphire Rapids; AMD Zen 4)
+
+A CPU runs the levels whose features it has (an AVX-512 CPU need not have AVX-VNNI: AMD Zen 4 has
+not), and the cap keeps the levels at or below it in this order.
 
 Below x86-64-v3, and on other architectures, there are no kernels: the callers run the torch
 reference and say so (``cpu_ext.cpu_kernels_status()``).
@@ -41,6 +46,7 @@ _V3 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
 _V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 LEVELS = (
     IsaLevel("avx2", _V3, ("-march=x86-64-v3",)),
+    IsaLevel("avx2_vnni", _V3 + ("avx_vnni",), ("-march=x86-64-v3", "-mavxvnni")),
     IsaLevel("avx512", _V4, ("-march=x86-64-v4",)),
     IsaLevel("avx512_vnni", _V4 + ("avx512_vnni",), ("-march=x86-64-v4", "-mavx512vnni")),
     IsaLevel("avx512_bf16", _V4 + ("avx512_vnni", "avx512_bf16"), ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16")),

@@ -289,8 +289,11 @@ void codes_linear(const DenseGemm& d, const float* values, const float* x_scale,
 const __m128i kSplitPairs = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
 
 // A pair's 32 codes (16 channels x 2 input channels) as float16: its even input channel's, its odd one's.
+struct HalfPair {
+  __m256i even, odd;
+};
 template <bool E4M3>
-inline std::pair<__m256i, __m256i> pair_as_half(const uint8_t* codes) {
+inline HalfPair pair_as_half(const uint8_t* codes) {
   const __m128i a = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)), kSplitPairs);
   const __m128i b = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16)), kSplitPairs);
   return {fp8_as_half<E4M3>(_mm_unpacklo_epi64(a, b)), fp8_as_half<E4M3>(_mm_unpackhi_epi64(a, b))};

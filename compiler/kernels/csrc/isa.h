@@ -7,12 +7,13 @@
 // host alone (-march=native). The levels, each the one before plus:
 //
 //   avx2         x86-64-v3: AVX2, FMA, F16C (16 vector registers of 8 floats)
+//   avx2_vnni    avx2 and AVX-VNNI: 256-bit int8 dot products (vpdpbusd, VEX-encoded)
 //   avx512       x86-64-v4: AVX-512 F/BW/CD/DQ/VL (32 registers of 16 floats)
 //   avx512_vnni  AVX512-VNNI: int8 dot products (vpdpbusd)
 //   avx512_bf16  AVX512-BF16: bfloat16 dot products (vdpbf16ps)
 //
 // A kernel family keeps its variants side by side under QC_AVX512 / QC_VNNI / QC_BF16, the AVX2
-// one in the #else. Variants agree bit for bit where they do the same float32 operations in the
+// one in the #else (QC_AVX_VNNI within it). Variants agree bit for bit where they do the same float32 operations in the
 // same order (the dense tiles, W4A8, the FP8 rounding); where they cannot (a bfloat16 dot product
 // against float32 FMAs, another exp) the tests state the bound.
 #pragma once
@@ -38,8 +39,14 @@
 #define QC_AVX512 0
 #define QC_VNNI 0
 #define QC_BF16 0
+#if defined(__AVXVNNI__)
+#define QC_AVX_VNNI 1
+#endif
 #else
 #error "qcompile's CPU kernels need x86-64-v3 (AVX2, FMA, F16C) or above: build them with -march=x86-64-v3 or higher"
+#endif
+#ifndef QC_AVX_VNNI
+#define QC_AVX_VNNI 0
 #endif
 
 namespace qcompile_cpu {
@@ -52,6 +59,8 @@ inline const char* isa_level() {
   return "avx512_vnni";
 #elif QC_AVX512
   return "avx512";
+#elif QC_AVX_VNNI
+  return "avx2_vnni";
 #else
   return "avx2";
 #endif

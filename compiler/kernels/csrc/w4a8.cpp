@@ -9,8 +9,9 @@
 // The integer dot products, four u8 x s8 products added into each 32-bit lane:
 //   avx512_vnni and up  vpdpbusd, one instruction for 64 products;
 //   avx512              vpmaddubsw (pairs into int16) then vpmaddwd by ones (pairs into int32);
-//   avx2                the same on 8 channels at a time, the int16 pairs summed over four steps
-//                       before vpmaddwd (llama.cpp's AVX2 Q4_0 x Q8_0 dot product does the same).
+//   avx2_vnni           AVX-VNNI's vpdpbusd on 8 channels at a time;
+//   avx2                vpmaddubsw and vpmaddwd on 8 channels at a time, the int16 pairs summed over
+//                       four steps before vpmaddwd (llama.cpp's AVX2 Q4_0 x Q8_0 dot product does so).
 // The products are exact at every level (|q a| <= 15 x 127, an int16 pair <= 3810, four steps of
 // two pairs <= 30480 < 2^15), and the float32 arithmetic after them is the same operations in the
 // same order, so every level gives the same bits.
@@ -106,6 +107,18 @@ void w4a8_tile(const W4A8Gemm& g, int64_t b, int half, int64_t m0) {
     __m256i acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_si256();
     const int64_t group_end = (gi + 1) * steps;
+#if QC_AVX_VNNI
+    for (int64_t k8 = gi * steps; k8 < group_end; ++k8) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k8 * 64));
+      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* a = g.qa + (m0 + m) * g.Kp + k8 * 8;
+        acc[m] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc[m], lo, _mm256_set1_epi32(four_codes(a))), hi,
+                                         _mm256_set1_epi32(four_codes(a + 4)));
+      }
+    }
+    (void)ones;
+#else
     for (int64_t k0 = gi * steps; k0 < group_end; k0 += 4) {  // int16 sums of up to four steps
       __m256i pairs[MB];
       for (int m = 0; m < MB; ++m) pairs[m] = _mm256_setzero_si256();
@@ -121,6 +134,7 @@ void w4a8_tile(const W4A8Gemm& g, int64_t b, int half, int64_t m0) {
       }
       for (int m = 0; m < MB; ++m) acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(pairs[m], ones));
     }
+#endif
     const float* scales = g.ws + (b * g.G + gi) * 16 + half * 8;
     const __m256 s = _mm256_loadu_ps(scales), zs = _mm256_loadu_ps(g.wzs + (b * g.G + gi) * 16 + half * 8);
     for (int m = 0; m < MB; ++m) {

@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[3]
 # /proc/cpuinfo's flags of the three hosts this project runs on (the features that matter here).
 ZEN3 = "fpu sse2 avx f16c fma bmi1 bmi2 movbe avx2"
 ZEN4 = ZEN3 + " avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni avx512_bf16"
-SAPPHIRE_RAPIDS = ZEN4 + " amx_tile amx_int8 amx_bf16"
+SAPPHIRE_RAPIDS = ZEN4 + " avx_vnni amx_tile amx_int8 amx_bf16"
 SKYLAKE_SP = ZEN3 + " avx512f avx512dq avx512cd avx512bw avx512vl"
+SIERRA_FOREST = ZEN3 + " avx_vnni"  # E-cores: AVX-VNNI without AVX-512
 
 
 @pytest.fixture
@@ -36,9 +37,10 @@ def cpu(monkeypatch):
     cpu_isa.host_levels.cache_clear()
 
 
-@pytest.mark.parametrize("flags, levels", [(ZEN3, ("avx2",)), (SKYLAKE_SP, ("avx2", "avx512")),
-                                           (ZEN4, cpu_isa.LEVEL_NAMES), (SAPPHIRE_RAPIDS, cpu_isa.LEVEL_NAMES),
-                                           ("fpu sse2 avx", ())])
+@pytest.mark.parametrize("flags, levels", [(ZEN3, ("avx2",)), (SIERRA_FOREST, ("avx2", "avx2_vnni")),
+                                           (SKYLAKE_SP, ("avx2", "avx512")),
+                                           (ZEN4, ("avx2", "avx512", "avx512_vnni", "avx512_bf16")),
+                                           (SAPPHIRE_RAPIDS, cpu_isa.LEVEL_NAMES), ("fpu sse2 avx", ())])
 def test_the_levels_a_cpu_runs_follow_its_flags(cpu, flags, levels):
     cpu(flags)
     assert cpu_isa.host_levels() == levels
@@ -56,14 +58,18 @@ def test_the_cap_lowers_the_level_and_never_raises_it(cpu, monkeypatch):
     assert cpu_isa.active_level() == "avx512_bf16"
     monkeypatch.setenv(cpu_isa.CAP_SWITCH, "avx512")
     assert cpu_isa.active_level() == "avx512" and cpu_isa.allowed_levels() == ("avx2", "avx512")
+    monkeypatch.setenv(cpu_isa.CAP_SWITCH, "avx2_vnni")
+    assert cpu_isa.active_level() == "avx2"  # Zen 4 has no AVX-VNNI: the level below it
     cpu(ZEN3)
     monkeypatch.setenv(cpu_isa.CAP_SWITCH, "avx512_bf16")
     assert cpu_isa.active_level() == "avx2"  # never above what the CPU has
+    cpu(SIERRA_FOREST)
+    assert cpu_isa.active_level() == "avx2_vnni"
 
 
 def test_an_unknown_cap_is_a_one_line_error(monkeypatch):
     monkeypatch.setenv(cpu_isa.CAP_SWITCH, "avx10")
-    with pytest.raises(ConfigError, match=r"QCOMPILE_CPU_ISA='avx10' is not an ISA level; use one of avx2, avx512, "):
+    with pytest.raises(ConfigError, match=r"QCOMPILE_CPU_ISA='avx10' is not an ISA level; use one of avx2, avx2_vnni, avx512, "):
         cpu_isa.active_level()
 
 
