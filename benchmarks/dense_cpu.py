@@ -1,13 +1,15 @@
 """Float32 linear layers on the CPU: MKL's ``F.linear``, oneDNN and qcompile's kernel on packed weights, by rows.
 
     python benchmarks/dense_cpu.py [--threads 2] [--rows 1,2,3,4,16,64,512] [--layers 30] [--repeats 10] [--modules] [--int4]
+        [--isa avx2,avx512_bf16]
 
 The layers are SmolLM2's decoder projections as the engine runs them (q/k/v fused 576 -> 960,
 o 576 -> 576, gate/up fused 576 -> 3072, down 1536 -> 576), ``--layers`` copies of each, so that the
 weights (SmolLM2's 425 MB at 30 layers) are cold in cache as in a decode step. Prints ms for one
-pass over all of them per way (the best of three timed runs); ``compiler/kernels/dense_cpu.py``
-chooses its packed way and oneDNN's crossover (per CPU vendor) from it. qcompile's column needs the
-C++ kernels built for AVX-512 ("-" where they are not).
+pass over all of them per way (the best of three timed runs); ``compiler/kernels/dispatch.py``
+chooses its packed way and oneDNN's crossover (per CPU vendor) from it. qcompile's columns need the
+C++ kernels ("-" where they are not loaded); ``--isa`` runs them at each ISA level given (levels the
+CPU runs: ``compiler/kernels/cpu_isa.py``), one table each, instead of the process's level.
 
 ``--modules`` adds the layers as the engine calls them, Python included: float's ``PackedLinear``
 and ``Fp8Linear`` (W8A8 per token with the input shift, ``examples/fp8.toml``'s format) with its
@@ -20,6 +22,7 @@ input, as AWQ's fallback gives SmolLM2), called as the engine does: W4A16 (torch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import sys
 import time
@@ -30,7 +33,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compiler.kernels.dense_cpu import dense_kernel, pack_dense_weight  # noqa: E402
+from compiler.kernels.cpu_ext import cpu_isa_in_use, cpu_kernels, use_isa  # noqa: E402
+from compiler.kernels.dense_cpu import pack_dense_weight  # noqa: E402
+from serving.bench.environment import cpu_model  # noqa: E402
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out)
 
@@ -58,17 +63,25 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--modules", action="store_true", help="also time PackedLinear and Fp8Linear modules")
     p.add_argument("--int4", action="store_true", help="also time Int4Linear modules, W4A16 and W4A8")
+    p.add_argument("--isa", help="ISA levels to run qcompile's kernels at, a comma list (default: the process's)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     weights = [torch.randn(n, k) for _ in range(args.layers) for k, n in SHAPES]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
-    onednn = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731
-    ops = dense_kernel()
-    ours = [_Packed(pack_dense_weight(w), w.shape) for w in weights] if ops is not None else []
+    ours = [_Packed(pack_dense_weight(w), w.shape) for w in weights] if cpu_kernels() is not None else []
     float_modules, fp8_modules = engine_modules(weights) if args.modules else ([], [])
     w4a16_modules, w4a8_modules = int4_modules(weights) if args.int4 else ([], [])
-    print(f"{args.layers} layers x {len(SHAPES)} projections, float32, {args.threads} threads: ms per pass")
+    for level in args.isa.split(",") if args.isa else [cpu_isa_in_use()]:
+        with use_isa(level) if level else contextlib.nullcontext():
+            print(f"{args.layers} layers x {len(SHAPES)} projections, float32, {args.threads} threads, qcompile's kernels "
+                  f"at {level or 'none'} ({cpu_model()}): ms per pass")
+            print_table(args, weights, packed, ours, float_modules, fp8_modules, w4a16_modules, w4a8_modules)
+
+
+def print_table(args, weights, packed, ours, float_modules, fp8_modules, w4a16_modules, w4a8_modules) -> None:
+    onednn = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731
+    ops = cpu_kernels()
     print(f"{'rows':>6} {'F.linear (MKL)':>16} {'oneDNN packed':>15} {'qcompile packed':>17}"
           + (f" {'PackedLinear':>13} {'Fp8Linear':>10}" if args.modules else "")
           + (f" {'INT4 W4A16':>11} {'INT4 W4A8':>10}" if args.int4 else ""))

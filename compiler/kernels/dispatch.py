@@ -36,8 +36,9 @@ from pathlib import Path
 import torch
 
 from compiler.kernels import triton_available
-from compiler.kernels.cpu_ext import cpu_isa_in_use, cpu_kernels
+from compiler.kernels.cpu_ext import cpu_isa_in_use, cpu_kernels, cpu_kernels_status
 from compiler.kernels.int4_cpu import ACTIVATION_DTYPES, REFERENCE_MIN_TOKENS, activation_unsupported_reason, kernel_enabled
+from compiler.kernels.int4_cpu import ENV_SWITCH as INT4_SWITCH
 from compiler.kernels.w4a8_cpu import w4a8_unavailable_reason
 
 CODES_SWITCH = "QCOMPILE_FP8_CPU_CODES"
@@ -108,9 +109,7 @@ def _takes_int4_prefill(layer, x: torch.Tensor) -> bool:
 
 def int4_prefill_enabled() -> bool:
     """Whether ``int4_dense_linear`` runs here: the C++ kernels loaded, INT4's not turned off."""
-    from compiler.kernels.int4_cpu import ENV_SWITCH
-
-    return os.environ.get(ENV_SWITCH, "1") != "0" and cpu_kernels() is not None
+    return os.environ.get(INT4_SWITCH, "1") != "0" and cpu_kernels() is not None
 
 
 def resolve_int4_compute(compute: str, device: torch.device) -> tuple[str, str | None]:
@@ -175,8 +174,6 @@ def _no_one_call(layer, x: torch.Tensor) -> str | None:
     if torch.is_grad_enabled():
         return AUTOGRAD.why
     if cpu_kernels() is None:
-        from compiler.kernels.cpu_ext import cpu_kernels_status
-
         return f"qcompile's C++ kernels {cpu_kernels_status()}"
     return None
 

@@ -13,7 +13,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("qcompile", "torch", "numpy", "transformers", "onnxruntime", "tritonclient", "triton")
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform says."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -73,7 +74,7 @@ def environment(artifact_dir: str | Path | None = None) -> dict:
     from compiler.kernels.cpu_isa import host_levels
 
     return {
-        "hardware": {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "memory_gib": _memory_gib(),
+        "hardware": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "memory_gib": _memory_gib(),
                      "machine": platform.machine(), "cpu_isa_levels": list(host_levels()), "gpu": gpu},
         "software": {"python": sys.version.split()[0], "os": platform.platform(),
                      **{p: _version(p) for p in PACKAGES}},
