@@ -55,15 +55,21 @@ LEVEL_NAMES = tuple(level.name for level in LEVELS)
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux reports them (empty where /proc/cpuinfo says nothing)."""
+def cpuinfo_field(name: str) -> str | None:
+    """A field of the first CPU in /proc/cpuinfo (``flags``, ``vendor_id``, ``model name``); None where it says nothing."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
     except OSError:
         pass
-    return frozenset()
+    return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty where /proc/cpuinfo says nothing)."""
+    return frozenset((cpuinfo_field("flags") or "").split())
 
 
 @functools.cache
@@ -108,5 +114,17 @@ def level(name: str) -> IsaLevel:
     return LEVELS[LEVEL_NAMES.index(name)]
 
 
-if __name__ == "__main__":  # for scripts (.ci/run): the levels a process here may load, lowest first, one a line
-    print("\n".join(allowed_levels()))
+def main() -> int:
+    """For scripts (.ci/run): the levels a process here may load, lowest first, one a line."""
+    import sys
+
+    try:
+        print("\n".join(allowed_levels()))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

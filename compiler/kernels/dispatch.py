@@ -28,15 +28,14 @@ Switches, each for a process, to compare a path with the one below it:
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
 from compiler.kernels import triton_available
 from compiler.kernels.cpu_ext import cpu_isa_in_use, cpu_kernels, cpu_kernels_status
+from compiler.kernels.cpu_isa import cpuinfo_field
 from compiler.kernels.int4_cpu import ACTIVATION_DTYPES, REFERENCE_MIN_TOKENS, activation_unsupported_reason, kernel_enabled
 from compiler.kernels.int4_cpu import ENV_SWITCH as INT4_SWITCH
 from compiler.kernels.w4a8_cpu import w4a8_unavailable_reason
@@ -186,20 +185,11 @@ FLOAT_AUTOGRAD = FLOAT_MKL.because(AUTOGRAD.why)
 FLOAT_FEW_ROWS = FLOAT_MKL.because("fewer rows than a packed copy pays for (packed_from_rows())")
 
 
-@functools.cache
 def cpu_vendor() -> str:
     """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``, ...), "" where /proc/cpuinfo does not say."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return cpuinfo_field("vendor_id") or ""
 
 
-# oneDNN's crossover with MKL (benchmarks/dense_cpu.py): on a Xeon MKL's gemv wins below 4 rows (at 3
-# the two are level); elsewhere oneDNN wins at every size. qcompile's dense_linear wins from one row.
 ONEDNN_FROM_ROWS = 4 if cpu_vendor() == "GenuineIntel" else 1
 
 

@@ -15,13 +15,9 @@ PACKAGES = ("qcompile", "torch", "numpy", "transformers", "onnxruntime", "triton
 
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo), else what the platform says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    from compiler.kernels.cpu_isa import cpuinfo_field
+
+    return cpuinfo_field("model name") or platform.processor() or "unknown"
 
 
 def _memory_gib() -> float | None:

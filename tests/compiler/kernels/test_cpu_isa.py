@@ -73,6 +73,16 @@ def test_an_unknown_cap_is_a_one_line_error(monkeypatch):
         cpu_isa.active_level()
 
 
+def test_the_levels_command_lists_the_allowed_levels_or_says_what_is_wrong(monkeypatch, cpu, capsys):
+    cpu(ZEN4)
+    monkeypatch.setenv(cpu_isa.CAP_SWITCH, "avx512")
+    assert cpu_isa.main() == 0 and capsys.readouterr().out == "avx2\navx512\n"
+    monkeypatch.setenv(cpu_isa.CAP_SWITCH, "avx10")
+    assert cpu_isa.main() == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: QCOMPILE_CPU_ISA='avx10' is not an ISA level") and err.count("\n") == 1
+
+
 def test_a_level_the_cpu_does_not_run_is_never_loaded(cpu):
     cpu(ZEN3)
     ops, why = cpu_ext._load.__wrapped__("avx512")  # uncached: this process may have loaded it for real
