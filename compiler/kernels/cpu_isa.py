@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,8 +117,6 @@ def level(name: str) -> IsaLevel:
 
 def main() -> int:
     """For scripts (.ci/run): the levels a process here may load, lowest first, one a line."""
-    import sys
-
     try:
         print("\n".join(allowed_levels()))
     except ConfigError as e:

@@ -190,6 +190,8 @@ def cpu_vendor() -> str:
     return cpuinfo_field("vendor_id") or ""
 
 
+# oneDNN's crossover with MKL (benchmarks/dense_cpu.py): on a Xeon MKL's gemv wins below 4 rows (at 3
+# the two are level); elsewhere oneDNN wins at every size. qcompile's dense_linear wins from one row.
 ONEDNN_FROM_ROWS = 4 if cpu_vendor() == "GenuineIntel" else 1
 
 
