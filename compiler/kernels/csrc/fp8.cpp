@@ -53,8 +53,6 @@ inline float round_trip(float v, float fp8_max) {
 // and subtracting 1.5 * 2^(23 + min_normal_exp - mantissa_bits), which makes the float32 addition
 // round to the subnormal quantum; the sign put back, NaN kept.
 #if QC_AVX512
-using FloatVec = __m512;
-constexpr int kLanes = 16;
 inline __m512 round_trip_vec(__m512 v, const Fp8Spec& f) {
   const __m512i sign_bit = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   const __m512 a = _mm512_min_ps(_mm512_castsi512_ps(_mm512_andnot_si512(sign_bit, _mm512_castps_si512(v))),
@@ -71,14 +69,7 @@ inline __m512 round_trip_vec(__m512 v, const Fp8Spec& f) {
   r = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(_mm512_castps_si512(v), sign_bit)));
   return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);  // NaN in, NaN out
 }
-inline __m512 load_vec(const float* p) { return _mm512_loadu_ps(p); }
-inline void store_vec(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline __m512 broadcast_vec(float s) { return _mm512_set1_ps(s); }
-inline __m512 div_vec(__m512 a, __m512 b) { return _mm512_div_ps(a, b); }
-inline __m512 mul_vec(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
 #else
-using FloatVec = __m256;
-constexpr int kLanes = 8;
 inline __m256 round_trip_vec(__m256 v, const Fp8Spec& f) {
   const __m256i sign_bit = _mm256_set1_epi32(static_cast<int>(0x80000000u));
   const __m256 a = _mm256_min_ps(_mm256_castsi256_ps(_mm256_andnot_si256(sign_bit, _mm256_castps_si256(v))),
@@ -95,11 +86,6 @@ inline __m256 round_trip_vec(__m256 v, const Fp8Spec& f) {
   r = _mm256_or_ps(r, _mm256_and_ps(v, _mm256_castsi256_ps(sign_bit)));
   return _mm256_blendv_ps(r, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // NaN in, NaN out
 }
-inline __m256 load_vec(const float* p) { return _mm256_loadu_ps(p); }
-inline void store_vec(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline __m256 broadcast_vec(float s) { return _mm256_set1_ps(s); }
-inline __m256 div_vec(__m256 a, __m256 b) { return _mm256_div_ps(a, b); }
-inline __m256 mul_vec(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
 #endif
 
 // A row as the FP8 rounding reads it (less the shift, written to `centred`) and its scale: the
@@ -127,11 +113,11 @@ void quantize_rows(const float* x, const float* shift, const float* static_scale
       const auto [xr, s] = centred_row(x + r * K, shift, static_scale, spec, K, centred);
       scales[r] = s;
       float* o = out + r * K;
-      const FloatVec sv = broadcast_vec(s);
+      const Reg sv = reg_broadcast(s);
       int64_t i = 0;
-      for (; i + kLanes <= K; i += kLanes) {
-        const FloatVec q = round_trip_vec(div_vec(load_vec(xr + i), sv), spec);
-        store_vec(o + i, rescale ? mul_vec(q, sv) : q);
+      for (; i + kRegLanes <= K; i += kRegLanes) {
+        const Reg q = round_trip_vec(reg_div(reg_load(xr + i), sv), spec);
+        reg_store(o + i, rescale ? reg_mul(q, sv) : q);
       }
       for (; i < K; ++i) {
         const float q = round_trip<F8>(xr[i] / s, spec.max);

@@ -131,16 +131,22 @@ using Reg = __m512;
 constexpr int kRegsPerBlock = 1;
 inline Reg reg_zero() { return _mm512_setzero_ps(); }
 inline Reg reg_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void reg_store(float* p, Reg v) { _mm512_storeu_ps(p, v); }
 inline Reg reg_broadcast(float x) { return _mm512_set1_ps(x); }
 inline Reg reg_fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+inline Reg reg_mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
+inline Reg reg_div(Reg a, Reg b) { return _mm512_div_ps(a, b); }
 inline Vec16 block_of(const Reg* r) { return {r[0]}; }
 #else
 using Reg = __m256;
 constexpr int kRegsPerBlock = 2;
 inline Reg reg_zero() { return _mm256_setzero_ps(); }
 inline Reg reg_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void reg_store(float* p, Reg v) { _mm256_storeu_ps(p, v); }
 inline Reg reg_broadcast(float x) { return _mm256_set1_ps(x); }
 inline Reg reg_fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+inline Reg reg_mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
+inline Reg reg_div(Reg a, Reg b) { return _mm256_div_ps(a, b); }
 inline Vec16 block_of(const Reg* r) { return {r[0], r[1]}; }
 #endif
 constexpr int kRegLanes = 16 / kRegsPerBlock;
