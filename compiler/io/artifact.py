@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 import compiler.formats.fp8  # noqa: F401  (registers the fp8 weight format)
+import compiler.formats.gguf_block  # noqa: F401  (registers the gguf weight format)
 import compiler.formats.int4  # noqa: F401  (registers the int4 weight format)
 from compiler.errors import ArtifactError, ConfigError
 from compiler.formats.fp8_kv import install_kv_quant
