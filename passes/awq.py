@@ -49,7 +49,6 @@ import torch
 
 from compiler.deploy.targets import get_target
 from compiler.errors import ConfigError
-from compiler.formats.int4 import Int4Linear
 from compiler.model.moe import every_token_to, router_names
 from compiler.pipeline import (
     BlockStream,
@@ -74,7 +73,17 @@ from passes.awq_mappings import (
     fold_scales,
     layer_groups,
 )
-from passes.awq_plan import AWQOptions, LayerPlan, awq_working_memory, plan_layers, smaller_groups
+from compiler.quant.gguf_blocks import BLOCK_TYPES
+from passes.awq_grid import grid_of
+from passes.awq_plan import (
+    AWQOptions,
+    LayerPlan,
+    awq_working_memory,
+    plan_layers,
+    q4_k_m_budget,
+    smaller_groups,
+    wider_type,
+)
 from passes.awq_search import (
     quant_error,
     rank_scales,
@@ -82,7 +91,6 @@ from passes.awq_search import (
     search_clip,
     weight_mean,
 )
-from passes.gptq import gptq_int4
 from passes.moe_calibration import expert_of, experts_of, starved_linears, starved_reason
 
 
@@ -160,6 +168,7 @@ class AwqStream(BlockStream):
         self.cos, self.sin = model.rope(self.positions, self.x.dtype)
         self.k = min(self.opts.module_sequences, self.positions.shape[0])
         self.starved = 0
+        self.wider: list[tuple] = []  # gguf:q4_k_m: (linear, its row, module, clip, error) on the wider type
 
     @torch.no_grad()
     def block(self, index: int) -> None:
@@ -173,7 +182,10 @@ class AwqStream(BlockStream):
         if worker.starved and self.opts.starved_experts == "all_tokens":
             stats |= capture_on_every_token(block, worker.starved, block_inputs, *rope, self.sampler)
         self.starved += sum(len(experts) for experts in experts_of(worker.starved).values())
-        self.report.layers += worker.run(stats, sample)
+        rows = worker.run(stats, sample)
+        self.report.layers += rows
+        by_name = {row.module: row for row in rows}
+        self.wider += [(f"layers.{index}.{n}", by_name[f"layers.{index}.{n}"], *c) for n, c in worker.wider.items()]
 
     @torch.no_grad()
     def quantize_head(self) -> None:
@@ -187,11 +199,37 @@ class AwqStream(BlockStream):
         worker = BlockQuantizer(model, "", {head: self.plans[head]}, self.opts, self.target, (HEAD_GROUP,))
         self.report.layers += worker.run({head: stats}, None)
 
+    def upgrade_sensitive(self) -> str:
+        """``gguf:q4_k_m``: give the wider type (Q6_K) to the layers whose relative output error it
+        lowers most per extra bit, until the bits llama.cpp's Q4_K_M recipe spends on this model are spent."""
+        budget = q4_k_m_budget(self.opts, self.plans, self.model.config.n_layers)
+        def extra_bits(entry) -> float:
+            name, row, module = entry[:3]
+            return (module.type.bits - BLOCK_TYPES[self.plans[name].block_type].bits) * module.codes.numel()
+        def gain(entry) -> float:
+            return (entry[1].metrics["rel_error_awq"] - entry[4]) / max(extra_bits(entry), 1.0)
+        spent, chosen = 0.0, 0
+        for entry in sorted(self.wider, key=gain, reverse=True):
+            name, row, module, clip, err = entry
+            if spent + extra_bits(entry) > budget:
+                continue
+            spent += extra_bits(entry)
+            chosen += 1
+            self.model.set_submodule(name, module)
+            row.reason = f"{row.reason}; q4_k_m: {module.block_type}, measured sensitive (rel error {row.metrics['rel_error_awq']:.4f} -> {err:.4f})"
+            row.format = f"gguf:{module.block_type}"
+            row.metrics.update(rel_error_awq=err, clip_ratio=round(float(clip.mean()), 4))
+        self.wider = []
+        return (f"q4_k_m: {chosen} of the layers in the wider type, chosen by measured error reduction per bit within "
+                f"llama.cpp's Q4_K_M budget for this model ({spent / 8e6:.2f} of {budget / 8e6:.2f} MB extra)")
+
     def finish(self) -> PassReport:
         opts, report = self.opts, self.report
         if HEAD_GROUP.linears[0] in self.plans:
             self.quantize_head()
         self.x = None  # the last block's outputs: nothing reads them
+        if self.wider:
+            report.notes.append(self.upgrade_sensitive())
         report.metrics = _metrics(report.layers, self.windows, opts)
         if self.model.config.spec.is_moe:
             report.metrics["experts_starved"] = self.starved
@@ -218,6 +256,7 @@ class BlockQuantizer:
         self.inspected: dict[str, tuple[tuple, torch.Tensor]] = {}  # set by run(); empty: Gram loss only
         self.routed: dict[str, int] = {}  # expert linear (relative name) -> calibration tokens routed to it
         self.starved: list[str] = []  # the converted expert linears below min_expert_tokens
+        self.wider: dict[str, tuple] = {}  # gguf:q4_k_m: (module, clip, error) on the wider type, by linear
         self.layer_tokens = 0
 
     def count_experts(self, stats: dict[str, InputStatistics], layer_tokens: int) -> None:
@@ -257,7 +296,7 @@ class BlockQuantizer:
             for name in group.linears:
                 h = hessians[name] = stats[name].hessian
                 if (plan := self.plans.get(self.prefix + name)) is not None:
-                    rows[name] = LayerDecision(plan.name, "int4", plan.reason, {
+                    rows[name] = LayerDecision(plan.name, _format_label(plan), plan.reason, {
                         "group_size": plan.group_size, "scale_group": _group_label(group),
                         "rel_error_rtn": self._rtn_error(name, plan, h, stats[name].tokens)})
                     self._note_expert(name, rows[name], stats[name].tokens)
@@ -277,7 +316,7 @@ class BlockQuantizer:
         if tokens == 0:
             return None  # no calibration token: no output error to measure
         w = self.block.get_submodule(name).weight.float()
-        return relative_error(w, quant_error(w, plan.group_size, self.opts.zero_point), h)
+        return relative_error(w, quant_error(w, self._grid(plan)), h)
 
     def _note_expert(self, name: str, row: LayerDecision, calibrated_on: int) -> None:
         """An expert's row: its routed token count, and the starved-expert policy if it applied
@@ -316,8 +355,8 @@ class BlockQuantizer:
                 lin = self.block.get_submodule(name)
                 saved[name] = lin.weight.data
                 scaled = lin.weight.float() * s_cols
-                g = self.plans[self.prefix + name].group_size
-                lin.weight.data = ((scaled + quant_error(scaled, g, self.opts.zero_point)) / s_cols).to(lin.weight.dtype)
+                grid = self._grid(self.plans[self.prefix + name])
+                lin.weight.data = ((scaled + quant_error(scaled, grid)) / s_cols).to(lin.weight.dtype)
             return float((module(*args).float() - reference.float()).pow(2).mean())
         finally:
             for name, w in saved.items():
@@ -334,10 +373,10 @@ class BlockQuantizer:
         to_columns = (lambda s: s) if expand is None else (lambda s: s[expand])  # and back
         mean = to_channels(stats[group.linears[0]].mean_abs)
         parts = self._loss_parts(searched, stats)
-        g = self.plans[self.prefix + searched[0]].group_size
+        grid = self._grid(self.plans[self.prefix + searched[0]])
         duo = self.opts.duo_scaling == "all" or self.opts.duo_scaling == "auto" and group.duo
-        w_mean = to_channels(_weight_mean(parts, g)) if duo else None
-        ranked = rank_scales(parts, mean, g, self.opts.zero_point, self.opts.alpha_grid, expand, w_mean)
+        w_mean = to_channels(_weight_mean(parts, grid.block)) if duo else None
+        ranked = rank_scales(parts, mean, grid, self.opts.alpha_grid, expand, w_mean)
         if group.inspect in self.inspected:  # the Gram loss shortlists, the module's output decides
             shortlist = ranked[: self.opts.module_candidates]
             ranked = sorted(((self._module_error(group, converted, to_columns(s)), a, s) for _, a, s in shortlist),
@@ -360,6 +399,9 @@ class BlockQuantizer:
         return [(torch.cat([self.block.get_submodule(n).weight.float() for n in ns]), stats[ns[0]].hessian, share)
                 for ns, share in zip(by_input.values(), shares)]
 
+    def _grid(self, plan: LayerPlan, block_type: str | None = None):
+        return grid_of(block_type or plan.block_type, plan.group_size, self.opts.zero_point)
+
     def _quantize(self, name: str, h: torch.Tensor) -> tuple[dict, str | None]:
         """Clip-search and quantize one (already scaled) linear; retry smaller groups if too lossy.
         Returns the row's metrics and what ``max_layer_error`` made of it (None: nothing)."""
@@ -368,21 +410,18 @@ class BlockQuantizer:
         w = linear.weight.float()
         g, why = plan.group_size, None
         if self._rtn_only(name):  # a starved expert under starved_experts = "rtn"
-            q = Int4Linear.from_float(linear, g, opts.zero_point)
+            q = self._grid(plan).module(linear, 1.0, None, opts.gptq_damp)
             err = relative_error(w, q.dequantized_weight().float() - w, h) if self.routed[name] else None
             self.block.set_submodule(name, q)
             return {"group_size": g, "rel_error_awq": err}, None
+        if plan.block_type and (wide := wider_type(opts, plan)):
+            self.wider[name] = self._search_and_round(linear, name, h, self._grid(plan, wide))  # q4_k_m's candidate
         while True:
-            clip = (search_clip(w, h, g, opts.zero_point, opts.clip_grid, opts.max_shrink)
-                    if opts.clip_search and name not in NO_CLIP else torch.ones(1))
-            if opts.weight_rounding == "gptq":
-                q = gptq_int4(linear, h, g, opts.zero_point, clip, opts.gptq_damp)
-            else:
-                q = Int4Linear.from_float(linear, g, opts.zero_point, clip)
-            err = relative_error(w, q.dequantized_weight().float() - w, h)
+            q, clip, err = self._search_and_round(linear, name, h, grid_of(plan.block_type, g, opts.zero_point))
             if opts.max_layer_error is None or err <= opts.max_layer_error:
                 break
-            retry = [g2 for g2 in smaller_groups(plan.in_features, g, opts.group_size_policy) if self._target_accepts(plan, g2)]
+            retry = [] if plan.block_type else [
+                g2 for g2 in smaller_groups(plan.in_features, g, opts.group_size_policy) if self._target_accepts(plan, g2)]
             if not retry:
                 why = f"relative error {err:.4f} > max_layer_error {opts.max_layer_error} at g{g}; no smaller group size left"
                 break
@@ -390,6 +429,15 @@ class BlockQuantizer:
             g = retry[0]
         self.block.set_submodule(name, q)
         return {"group_size": g, "clip_ratio": round(float(clip.mean()), 4), "rel_error_awq": err}, why
+
+    def _search_and_round(self, linear, name: str, h: torch.Tensor, grid):
+        """(module, clip ratios, relative output error) of ``linear`` on ``grid``: clip search, then GPTQ or RTN."""
+        opts = self.opts
+        w = linear.weight.float()
+        clip = (search_clip(w, h, grid, opts.clip_grid, opts.max_shrink)
+                if opts.clip_search and name not in NO_CLIP else torch.ones(1))
+        q = grid.module(linear, clip, h if opts.weight_rounding == "gptq" else None, opts.gptq_damp)
+        return q, clip, relative_error(w, q.dequantized_weight().float() - w, h)
 
     def _target_accepts(self, plan: LayerPlan, g: int) -> bool:
         if self.target is None:
@@ -410,6 +458,10 @@ def _weight_mean(parts: list[tuple[torch.Tensor, torch.Tensor, float]], group_si
     return sum(weight_mean(w, group_size) * (w.shape[0] / rows) for w, _, _ in parts)
 
 
+def _format_label(plan: LayerPlan) -> str:
+    return f"gguf:{plan.block_type}" if plan.block_type else "int4"
+
+
 def _group_label(group: ScalingGroup) -> str:
     """'input_layernorm → q_proj, k_proj, v_proj'; 'post_attention_layernorm → gate, experts.*.gate_proj, …'."""
     short = [re.sub(r".*\.(experts)\.\d+\.", r"\1.*.", n) if ".experts." in n else n.rpartition(".")[2]
@@ -418,7 +470,7 @@ def _group_label(group: ScalingGroup) -> str:
 
 
 def _metrics(layers: list[LayerDecision], windows: torch.Tensor, opts: AWQOptions) -> dict:
-    quantized = [r.metrics for r in layers if r.format == "int4"]
+    quantized = [r.metrics for r in layers if r.format != "float"]
     def mean(key: str) -> float:  # over the layers that have the figure (a starved expert may have none)
         values = [r[key] for r in quantized if r.get(key) is not None]
         return sum(values) / max(len(values), 1)

@@ -16,7 +16,12 @@ from compiler.model.config import ModelConfig
 from compiler.model.moe import router_names
 from compiler.pipeline.memory import activation_terms, linear_inputs
 from compiler.pipeline.selection import excluded_by, meta_model
+from compiler.quant.gguf_blocks import BLOCK_TYPES, FALLBACK
 from compiler.quant.int4 import GROUP_SIZES, padded_width
+
+# The awq pass's formats: qcompile's INT4, or a llama.cpp block type ("_m": Q4_K with Q6_K where measured most sensitive).
+GGUF_FORMATS = {"gguf:q4_0": "q4_0", "gguf:q4_1": "q4_1", "gguf:q4_k": "q4_k", "gguf:q4_k_m": "q4_k"}
+AWQ_FORMATS = ("int4", *GGUF_FORMATS)
 
 
 @dataclass
@@ -40,7 +45,13 @@ class AWQOptions:
     modules_to_not_convert = ["lm_head"]  # kept in float: globs over names or dotted parts (compiler/pipeline/selection.py); [] quantizes lm_head too
     min_expert_tokens = 32        # MoE: an expert routed fewer calibration tokens than this is "starved"
     starved_experts = "all_tokens"  # calibrate a starved expert on every token of its layer, or "rtn": round-to-nearest
+    format = "int4"               # or a llama.cpp block type for `lower --target gguf`: "gguf:q4_0", "gguf:q4_1",
+                                  # "gguf:q4_k", "gguf:q4_k_m" (Q4_K, and Q6_K for the layers measured most sensitive)
 
+    With a ``gguf:`` format every search and GPTQ's rounding work on that block type's grid
+    (``compiler/quant/gguf_blocks.py``); group_size and zero_point are the type's. A row a K-quant's
+    256-weight super-block does not divide takes llama.cpp's fallback (Q4_K -> Q5_0, Q6_K -> Q8_0);
+    one 32 does not divide cannot be stored in GGUF and is an error naming it.
     MoE routers stay in float whatever the options say (``ArchSpec.router``).
     """
 
@@ -62,8 +73,11 @@ class AWQOptions:
     batch_size: int = 8
     min_expert_tokens: int = 32
     starved_experts: Literal["all_tokens", "rtn"] = "all_tokens"
+    format: str = "int4"
 
     def __post_init__(self):
+        if self.format not in AWQ_FORMATS:
+            raise ValueError(f"format must be one of {', '.join(AWQ_FORMATS)}, got {self.format!r}")
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size}")
         if self.alpha_grid < 1 or self.clip_grid < 1:
@@ -92,8 +106,13 @@ class LayerPlan:
     group_size: int
     reason: str
 
+    block_type: str | None = None  # a llama.cpp block type (``format = "gguf:..."``), else INT4
+
     def format(self, zero_point: bool) -> dict:
-        """The manifest entry ``Int4Linear.format_meta`` will write for this layer."""
+        """The manifest entry ``Int4Linear.format_meta`` (or ``GgufLinear``'s) will write for this layer."""
+        if self.block_type:
+            return {"format": "gguf", "block_type": self.block_type, "in_features": self.in_features,
+                    "out_features": self.out_features, "padded_in_features": self.in_features}
         return {"format": "int4", "group_size": self.group_size, "zero_point": zero_point,
                 "in_features": self.in_features, "out_features": self.out_features,
                 "padded_in_features": padded_width(self.in_features, self.group_size)}
@@ -142,6 +161,8 @@ def _ranges(ix: list[int]) -> str:
 def plan_layers(config: ModelConfig, options: AWQOptions) -> tuple[dict[str, LayerPlan], dict[str, str]]:
     """(plans of the linears to convert, {excluded linear: pattern}); raises on policy ``error``.
     Routers are in neither: they are never converted."""
+    if options.format in GGUF_FORMATS:
+        return _plan_gguf(config, options)
     g = options.group_size
     plans, excluded = {}, {}
     offenders: dict[int, list[str]] = defaultdict(list)
@@ -166,6 +187,60 @@ def plan_layers(config: ModelConfig, options: AWQOptions) -> tuple[dict[str, Lay
                else 'use group_size_policy = "fallback" or "pad", or a group size that divides them')
         raise ConfigError(f"awq: group_size {g} does not divide in_features of {listed}; {fix}")
     return plans, excluded
+
+
+def _plan_gguf(config: ModelConfig, options: AWQOptions) -> tuple[dict[str, LayerPlan], dict[str, str]]:
+    """``plan_layers`` for a llama.cpp block type: the type, or llama.cpp's fallback where a
+    K-quant's super-block does not divide the row; a row no block divides is an error."""
+    requested = GGUF_FORMATS[options.format]
+    plans, excluded = {}, {}
+    offenders: dict[int, list[str]] = defaultdict(list)
+    routers = set(router_names(config))
+    for name, (k, n) in float_linears(config).items():
+        if name in routers:
+            continue
+        if (pattern := excluded_by(name, options.modules_to_not_convert)) is not None:
+            excluded[name] = pattern
+            continue
+        t = BLOCK_TYPES[requested]
+        reason = "requested"
+        if k % t.super and requested in FALLBACK:
+            reason = f"llama.cpp's fallback: {t.super} does not divide in_features {k}"
+            t = BLOCK_TYPES[FALLBACK[requested]]
+        if k % t.super:
+            offenders[k].append(name)
+            continue
+        plans[name] = LayerPlan(name, k, n, t.sub, reason, t.name)
+    if offenders:
+        listed = "; ".join(_describe(names, k) for k, names in offenders.items())
+        raise ConfigError(f"awq: format {options.format!r}: GGUF blocks of 32 do not divide in_features of {listed}; "
+                          "use format = \"int4\" with group_size_policy = \"pad\", or keep them in float (modules_to_not_convert)")
+    return plans, excluded
+
+
+def wider_type(options: AWQOptions, plan: LayerPlan) -> str | None:
+    """``gguf:q4_k_m``: the type a layer measured sensitive is upgraded to (Q6_K, or its fallback Q8_0)."""
+    if options.format != "gguf:q4_k_m":
+        return None
+    return "q6_k" if plan.in_features % BLOCK_TYPES["q6_k"].super == 0 else FALLBACK["q6_k"]
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the layers its Q4_K_M recipe gives Q6_K attn_v and ffn_down."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def q4_k_m_budget(options: AWQOptions, plans: dict[str, LayerPlan], n_layers: int) -> float:
+    """The extra bits llama.cpp's Q4_K_M recipe spends on this model (Q6_K for attn_v and ffn_down
+    of ``_more_bits`` layers): the budget qcompile's sensitivity-chosen upgrades spend instead."""
+    extra = 0.0
+    for i in range(n_layers):
+        for suffix in ("self_attn.v_proj", "mlp.down_proj"):
+            plan = plans.get(f"layers.{i}.{suffix}")
+            if plan is not None and _more_bits(i, n_layers):
+                wide = BLOCK_TYPES[wider_type(options, plan)]
+                extra += plan.in_features * plan.out_features * (wide.bits - BLOCK_TYPES[plan.block_type].bits)
+    return extra
 
 
 def awq_working_memory(config: ModelConfig, calibration, options: AWQOptions, dtype_bytes: int) -> dict[str, int]:

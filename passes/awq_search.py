@@ -43,10 +43,10 @@ def fast_fake_quantize(w: torch.Tensor, group_size: int, zero_point: bool, clip_
     return q.sub_(zero).mul_(scale).view(n, k)
 
 
-def quant_error(w: torch.Tensor, group_size: int, zero_point: bool, clip_ratio=1.0) -> torch.Tensor:
-    """RTN weight error Q(w) - w [N, K]; K is zero-padded to a multiple of the group for quantizing."""
+def quant_error(w: torch.Tensor, grid, clip_ratio=1.0) -> torch.Tensor:
+    """RTN weight error Q(w) - w [N, K] on ``grid`` (``passes/awq_grid.py``); K is zero-padded for quantizing."""
     k = w.shape[1]
-    return fast_fake_quantize(pad_columns(w, group_size), group_size, zero_point, clip_ratio)[:, :k] - w
+    return grid.fake_quantize(grid.pad(w), clip_ratio)[:, :k] - w
 
 
 def relative_error(w: torch.Tensor, delta: torch.Tensor, hessian: torch.Tensor) -> float:
@@ -71,8 +71,8 @@ def weight_mean(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return (g / (g.amax(-1, keepdim=True) + 1e-6)).view(w.shape[0], -1)[:, : w.shape[1]].mean(0)
 
 
-def rank_scales(parts: list[tuple[torch.Tensor, torch.Tensor, float]], stats_mean: torch.Tensor, group_size: int,
-                zero_point: bool, grid: int, expand: torch.Tensor | None = None,
+def rank_scales(parts: list[tuple[torch.Tensor, torch.Tensor, float]], stats_mean: torch.Tensor, grid,
+                alpha_grid: int, expand: torch.Tensor | None = None,
                 w_mean: torch.Tensor | None = None) -> list[tuple[float, float, torch.Tensor]]:
     """Every α of the grid for a scaling group's linears, as (error, α, s [C]) sorted best first by
     their output error (the Gram loss). ``parts``: (weights [N, K], H [K, K], share) per distinct
@@ -85,14 +85,14 @@ def rank_scales(parts: list[tuple[torch.Tensor, torch.Tensor, float]], stats_mea
     """
     parts = [(w.float(), h, share) for w, h, share in parts]
     ranked = []
-    for i in range(grid):
-        alpha = i / grid
+    for i in range(alpha_grid):
+        alpha = i / alpha_grid
         s = candidate_scales(stats_mean, alpha, w_mean)
         s_cols = s if expand is None else s[expand]
         error = 0.0
         for w, h, share in parts:
             # Quantize the scaled weight, then undo the scale: the error as the float model sees it.
-            delta = quant_error(w * s_cols, group_size, zero_point) / s_cols
+            delta = quant_error(w * s_cols, grid) / s_cols
             error += share * float(output_error(delta, h))
         ranked.append((error, alpha, s))
     return sorted(ranked, key=lambda r: r[0])
@@ -108,18 +108,18 @@ def block_diagonal(hessian: torch.Tensor, group_size: int) -> torch.Tensor:
     return blocks.diagonal(dim1=0, dim2=2).permute(2, 0, 1)
 
 
-def search_clip(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, zero_point: bool,
-                grid: int, max_shrink: float) -> torch.Tensor:
-    """Per (output row, group) clip ratio in {1, 1 - max_shrink/grid, …} minimising that group's
-    contribution to the output error (cross-group terms ignored, as in llm-awq). -> [N, n_blocks]."""
-    w = pad_columns(weight.float(), group_size)
+def search_clip(weight: torch.Tensor, hessian: torch.Tensor, grid, clip_grid: int, max_shrink: float) -> torch.Tensor:
+    """Per (output row, block of ``grid``) clip ratio in {1, 1 - max_shrink/clip_grid, …} minimising
+    that block's contribution to the output error (cross-block terms ignored, as in llm-awq). -> [N, n_blocks]."""
+    group_size = grid.block
+    w = grid.pad(weight.float())
     n, kp = w.shape
     blocks = block_diagonal(hessian, group_size)  # [nb, g, g]
     best_err = torch.full((n, kp // group_size), float("inf"))
     best_ratio = torch.ones_like(best_err)
-    for i in range(max(1, int(round(max_shrink * grid)))):
-        ratio = 1.0 - i / grid
-        delta = (fast_fake_quantize(w, group_size, zero_point, ratio) - w).view(n, -1, group_size)
+    for i in range(max(1, int(round(max_shrink * clip_grid)))):
+        ratio = 1.0 - i / clip_grid
+        delta = (grid.fake_quantize(w, ratio) - w).view(n, -1, group_size)
         err = torch.einsum("nbg,bgh,nbh->nb", delta, blocks, delta)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
