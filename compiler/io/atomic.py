@@ -66,6 +66,25 @@ def atomic_directory_write(out: Path, write, force: bool = False) -> None:
         raise
 
 
+def atomic_file_write(path: str | Path, write, force: bool = False) -> None:
+    """Call ``write(tmp_path)`` beside ``path``, then rename the file into place."""
+    path = Path(path)
+    if path.exists() and not force:
+        raise ArtifactError(f"{path} already exists; choose another -o or pass --force to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` beside ``path``, then rename it into place, so a reader never sees half a file."""
     path = Path(path)

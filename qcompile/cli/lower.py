@@ -16,6 +16,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from backends.gguf.export import file_notes
 from backends.onnx.bundle import BUNDLE_FILE, OnnxBundleInfo
 from backends.vllm.export import EXPORT_FILE
 from compiler.deploy.lowering import LOWERINGS, get_lowering, lower
@@ -53,7 +54,8 @@ FLAGS = target_flags()
 def lower_cmd(
     artifact: Path = typer.Argument(..., help="Artifact directory (from 'qcompile compile')."),
     target: str = typer.Option(..., "--target", "-t", help=f"Deployment target: {', '.join(sorted(LOWERINGS))}."),
-    output: Path = typer.Option(..., "-o", "--output", help="Folder to write (bundle, or Triton model repository)."),
+    output: Path = typer.Option(..., "-o", "--output", help="What to write: a folder (bundle, Triton model repository, "
+                                                            "vLLM checkpoint) or, for gguf, the .gguf file."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output folder."),
     *,
     options: dict,
@@ -65,6 +67,9 @@ def lower_cmd(
     path = lower(artifact, target, output, options, force)
     if (Path(path) / BUNDLE_FILE).exists():
         _print_bundle(out, OnnxBundleInfo.read(path))
+    if Path(path).suffix == ".gguf":
+        for note in file_notes(path):
+            out.print(f"note: {note}")
     if (Path(path) / EXPORT_FILE).exists():  # a vLLM checkpoint
         for note in json.loads((Path(path) / EXPORT_FILE).read_text()).get("notes", []):
             out.print(f"note: {note}")

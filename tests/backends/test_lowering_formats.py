@@ -210,7 +210,7 @@ def float_artifact(tiny_checkpoint_with_tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("target, options", [("onnx", {}), ("ascend", {"soc": "Ascend910B3"}), ("triton", {}),
-                                             ("vllm", {})])
+                                             ("vllm", {}), ("gguf", {})])
 def test_every_target_refuses_an_entry_it_does_not_know(float_artifact, tmp_path, target, options):
     """A future pass's entry (here a planted ``sparsity``) must not be dropped silently."""
     manifest = read_raw_manifest(float_artifact)
@@ -258,3 +258,17 @@ def test_onnx_lowers_a_float_artifact_with_a_serving_plan(float_artifact, tmp_pa
     lower(float_artifact, "onnx", tmp_path / "out", {"max_len": 32})
     info = OnnxBundleInfo.read(tmp_path / "out")
     assert not any(name.endswith(".kv_cache") for name in info.layers)  # a float cache stays float
+
+
+def test_gguf_refuses_a_serving_plan_kv_dtype_llama_cpp_cannot_hold(float_artifact, tmp_path):
+    manifest = read_raw_manifest(float_artifact)
+    manifest["serving"]["kv_dtype"] = "float8_e4m3fn"
+    rewrite_manifest(float_artifact, manifest)
+    with pytest.raises(ConfigError, match="stores K/V as float8_e4m3fn: llama.cpp's caches") as e:
+        lower(float_artifact, "gguf", tmp_path / "out.gguf")
+    assert "\n" not in str(e.value) and not (tmp_path / "out.gguf").exists()
+
+
+def test_gguf_lowers_a_float_artifact_with_a_serving_plan(float_artifact, tmp_path):
+    out = lower(float_artifact, "gguf", tmp_path / "out.gguf")
+    assert out.is_file() and out.stat().st_size > 0
