@@ -31,7 +31,8 @@ app = typer.Typer(cls=_BenchGroup, no_args_is_help=True, add_completion=False,
 @app.command("run")
 def run_cmd(
     target: str = typer.Argument(..., help="Artifact dir, triton-grpc://HOST:PORT/MODEL, triton-http://HOST:PORT/MODEL, "
-                                         "openai://HOST:PORT[/MODEL] (an OpenAI-compatible server: vLLM, ...), ONNX dir or Ascend bundle."),
+                                         "openai://HOST:PORT or openai://HOST:PORT/MODEL (an OpenAI-compatible server: vLLM, llama.cpp, ...), "
+                                         "ONNX dir or Ascend bundle."),
     concurrency: list[str] = typer.Option([], help="Closed-loop concurrency, or a comma list to sweep (default 1)."),
     request_rate: list[str] = typer.Option([], help="Open loop: Poisson arrivals per second, or a comma list to sweep."),
     num_requests: int = typer.Option(64, min=1, help="Measured requests per trial."),

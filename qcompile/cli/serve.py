@@ -1,5 +1,6 @@
 """``qcompile serve``: Triton Inference Server on a model repository written by ``qcompile lower --target triton``,
-or (``--engine vllm``) vLLM's OpenAI-compatible server on a checkpoint written by ``qcompile lower --target vllm``."""
+or (``--engine vllm``) vLLM's OpenAI-compatible server on a checkpoint written by ``qcompile lower --target vllm``,
+or (``--engine llama.cpp``) llama.cpp's ``llama-server`` on a file written by ``qcompile lower --target gguf``."""
 from __future__ import annotations
 
 import signal
@@ -11,18 +12,21 @@ from typing import Optional
 import typer
 
 
-ENGINES = ("triton", "vllm")
+ENGINES = ("triton", "vllm", "llama.cpp")
 
 
 def serve_cmd(
     repository: Path = typer.Argument(..., help="Triton model repository (from 'qcompile lower --target triton'), "
-                                                "or with --engine vllm a checkpoint (from 'qcompile lower --target vllm')."),
-    engine: str = typer.Option("triton", help="triton: Triton Inference Server; vllm: vLLM's OpenAI API on --http-port."),
+                                                "or with --engine vllm a checkpoint (from 'qcompile lower --target vllm'), "
+                                                "or with --engine llama.cpp a .gguf file (from 'qcompile lower --target gguf')."),
+    engine: str = typer.Option("triton", help="triton: Triton Inference Server; vllm / llama.cpp: that engine's "
+                                              "OpenAI API on --http-port."),
     host: str = typer.Option("127.0.0.1", help="Address the HTTP, gRPC and metrics endpoints bind to."),
     http_port: int = typer.Option(8000, help="HTTP port: Triton's KServe v2 + generate extension, or vLLM's OpenAI API."),
     grpc_port: int = typer.Option(8001, help="gRPC port (Triton only)."),
     metrics_port: int = typer.Option(8002, help="Prometheus metrics port (Triton only)."),
     log_file: Optional[Path] = typer.Option(None, help="Server log (default: a temporary file, printed)."),
+    parallel: int = typer.Option(16, help="llama.cpp only: requests decoded concurrently (its --parallel slots)."),
 ):
     """Start Triton Inference Server (or vLLM) on REPOSITORY; Ctrl-C or SIGTERM stops it cleanly."""
     from backends.triton.runtime import ServerOptions, TritonServer
@@ -33,6 +37,8 @@ def serve_cmd(
         raise ConfigError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
     if engine == "vllm":
         return serve_vllm(repository, host, http_port, log_file)
+    if engine == "llama.cpp":
+        return serve_llama_cpp(repository, host, http_port, log_file, parallel)
 
     if not any(repository.glob("*/config.pbtxt")):
         raise ConfigError(f"{repository}: no <model>/config.pbtxt inside; write one with 'qcompile lower ARTIFACT --target triton -o {repository}'")
@@ -58,6 +64,19 @@ def serve_vllm(checkpoint: Path, host: str, port: int, log_file: Optional[Path])
     _run_until_stopped(server, lambda: out.print(
         f"[bold green]ready[/bold green]: model {server.model}\n  OpenAI API http://{server.url}/v1  (POST /v1/completions, "
         f"/v1/chat/completions)\n  bench      qcompile bench openai://{server.url}\nCtrl-C to stop"), "vllm serve")
+
+
+def serve_llama_cpp(model: Path, host: str, port: int, log_file: Optional[Path], parallel: int) -> None:
+    """llama.cpp's ``llama-server`` on MODEL (a .gguf file) on HOST:PORT until Ctrl-C or SIGTERM."""
+    from backends.gguf.server import LlamaServer, LlamaServerOptions
+    from qcompile.cli.console import out
+
+    log = log_file or Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
+    server = LlamaServer(LlamaServerOptions(model, host, port, parallel=parallel), log_path=log)
+    out.print(f"starting llama.cpp's llama-server on {model} ({parallel} slots); log {log}")
+    _run_until_stopped(server, lambda: out.print(
+        f"[bold green]ready[/bold green]: model {server.model}\n  OpenAI API http://{server.url}/v1  (POST /v1/completions, "
+        f"/v1/chat/completions)\n  bench      qcompile bench openai://{server.url}\nCtrl-C to stop"), "llama-server")
 
 
 class StopRequested(Exception):

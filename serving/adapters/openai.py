@@ -9,7 +9,9 @@ which vLLM takes (and servers that do not know them ignore):
     ignore_eos        keep generating past EOS, so a benchmark gets the output length it asked for
     return_token_ids  each chunk carries ``token_ids``, the ids it adds (vLLM >= 0.10)
 
-Each chunk becomes one ``StreamEvent`` with those ids. A server that sends text without ids
+llama.cpp's ``llama-server`` (its ``/v1/models`` entries are ``owned_by: llamacpp``) streams no
+``token_ids``; there the request also asks ``logprobs: 1``, whose per-token entries carry each
+token's ``id``. Each chunk becomes one ``StreamEvent`` with those ids. A server that sends text without ids
 cannot be measured token by token: the adapter raises ``OpenAIRequestError`` saying so, rather
 than guessing token counts from the text.
 """
@@ -28,11 +30,14 @@ class OpenAIRequestError(QCompileError):
     """The server refused a request, or streamed something that is not an OpenAI completion."""
 
 
-def request_body(model: str, prompt: str | list[int], params: SamplingParams) -> dict:
-    """The ``/v1/completions`` request for ``prompt`` with ``params`` (greedy when temperature is 0)."""
+def request_body(model: str, prompt: str | list[int], params: SamplingParams, ids_by_logprobs: bool = False) -> dict:
+    """The ``/v1/completions`` request for ``prompt`` with ``params`` (greedy when temperature is 0);
+    ``ids_by_logprobs``: the token ids come with each token's logprob (llama.cpp's server)."""
     body = {"model": model, "prompt": list(prompt) if not isinstance(prompt, str) else prompt,
             "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
             "stream": True, "ignore_eos": params.ignore_eos, "return_token_ids": True}
+    if ids_by_logprobs:
+        body["logprobs"] = 1
     if params.top_k:
         body["top_k"] = params.top_k
     if params.seed is not None:
@@ -53,6 +58,8 @@ def parse_chunk(payload: dict) -> StreamEvent | None:
     choice = choices[0]
     text = choice.get("text") or ""
     ids = choice.get("token_ids")
+    if ids is None and isinstance(choice.get("logprobs"), dict) and choice["logprobs"].get("content"):
+        ids = [entry["id"] for entry in choice["logprobs"]["content"]]  # llama.cpp's server
     if ids is None and text:
         raise OpenAIRequestError("the server streams text without token ids (no 'token_ids' in its chunks); "
                                  "qcompile bench counts tokens by their ids: use a server that honours "
@@ -70,6 +77,7 @@ class OpenAIAdapter:
         self.base = f"http://{url}/v1"
         self.model = model
         self._session = None
+        self._ids_by_logprobs: bool | None = None  # llama.cpp's server: asked once, at the first request
 
     @property
     def session(self):
@@ -81,8 +89,15 @@ class OpenAIAdapter:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         return self._session
 
+    async def _llama_cpp_server(self) -> bool:
+        if self._ids_by_logprobs is None:
+            async with self.session.get(f"{self.base}/models") as response:
+                models = (await response.json()).get("data", []) if response.status == 200 else []
+            self._ids_by_logprobs = any(m.get("owned_by") == "llamacpp" for m in models)
+        return self._ids_by_logprobs
+
     async def generate(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[StreamEvent]:
-        body = request_body(self.model, prompt, params)
+        body = request_body(self.model, prompt, params, await self._llama_cpp_server())
         async with self.session.post(f"{self.base}/completions", json=body) as response:
             if response.status != 200:
                 raise OpenAIRequestError(_error_text(await response.text(), response.status))

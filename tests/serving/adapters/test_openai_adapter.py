@@ -103,6 +103,15 @@ def test_chunks_become_events_and_errors_are_raised():
         parse_chunk({"error": {"message": "engine died"}})
 
 
+def test_llama_cpp_servers_ids_come_with_their_logprobs():
+    """llama-server streams no token_ids: the adapter asks logprobs: 1 there, whose entries carry each id."""
+    assert request_body("m", [1], SamplingParams(), ids_by_logprobs=True)["logprobs"] == 1
+    assert "logprobs" not in request_body("m", [1], SamplingParams())
+    chunk = {"choices": [{"text": "ab", "finish_reason": None, "logprobs": {"content": [
+        {"id": 279, "token": "a", "logprob": -1.7}, {"id": 5, "token": "b", "logprob": -0.2}]}}]}
+    assert parse_chunk(chunk).token_ids == [279, 5]
+
+
 def test_adapter_streams_every_token_with_its_id(tmp_path):
     with ScriptedOpenAIServer("m") as server:
         assert served_models(server.url) == ["m"]
