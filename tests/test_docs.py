@@ -22,7 +22,8 @@ FIELDS = ("Measured", "Hardware", "Commit", "Data")
 LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
 PACKAGES = ("calib", "compiler", "passes", "backends", "serving", "qcompile")
 TOP_DIRS = (*PACKAGES, "benchmarks", "scripts", "docs", "examples", "tests", ".ci")
-NOT_MODULES = {"qcompile.bench"}  # the name of the bench result schema
+NOT_MODULES = {"qcompile.bench",  # the name of the bench result schema
+               "qcompile.notes", "qcompile.artifact_manifest_sha256"}  # keys a GGUF file written by qcompile carries
 
 
 def slug(heading: str) -> str:
