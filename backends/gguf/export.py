@@ -11,6 +11,8 @@ as 1 + w, a MoE layer's experts stacked into one tensor per projection. The weig
                                               say by how much that moves each layer's weights)
     int4 of group 64 / 128 / 256              the group's scale repeated over its 32-blocks (lossless)
     float matrices                            F32 / F16 / BF16 (``float_type``; default the artifact's dtype)
+    the embedding (and a head tied to it)     float, or Q8_0 by round-to-nearest when asked (``embedding_type``),
+                                              as llama.cpp's Q4 files store it; the notes say by how much
     norms, biases, routers                    F32
 
 Anything the file cannot hold exactly is refused before any work (``check_artifact``): FP8
@@ -57,9 +59,14 @@ class GgufLowerOptions:
     float_type: str = option("auto", "gguf: the type of the float matrices (embedding, float layers): f32, f16, bf16, "
                                      "or auto (the artifact's dtype: exact).")
 
+    embedding_type: str = option("float", "gguf: the token embedding (and the head tied to it): float (float_type's), or "
+                                          "q8_0, rounded to nearest as llama.cpp stores it in its Q4 files (said in the notes).")
+
     def __post_init__(self):
         if self.float_type not in ("auto", *FLOAT_TYPES):
             raise ValueError(f"float_type must be auto, {', '.join(FLOAT_TYPES)}; got {self.float_type!r}")
+        if self.embedding_type not in ("float", "q8_0"):
+            raise ValueError(f"embedding_type must be float or q8_0; got {self.embedding_type!r}")
 
 
 # ---- what GGUF holds -----------------------------------------------------------------------
@@ -183,7 +190,20 @@ def _rows(stored: Stored, index) -> Stored:
     return Stored(stored.data[index], stored.qtype)
 
 
-def model_tensors(model, config: ModelConfig, float_type: str, notes: list[str]):
+def _q8_0_embedding(weight: torch.Tensor, notes: list[str]) -> Stored:
+    """The embedding table in Q8_0 by round-to-nearest (``embedding_type = "q8_0"``), and by how much it moved."""
+    t = BLOCK_TYPES["q8_0"]
+    w = weight.detach().float()
+    if w.shape[1] % t.super:
+        raise ConfigError(f"embedding_type q8_0: 32 does not divide the embedding width {w.shape[1]}; use float")
+    fields = t.choose(w)
+    codes = t.quantize(w, fields)
+    moved = float((t.dequantize(codes, fields) - w).norm() / w.norm().clamp(min=1e-30))
+    notes.append(f"embed_tokens: Q8_0 by round-to-nearest (embedding_type q8_0), {moved:.2e} of its norm")
+    return Stored(t.pack(codes, fields), t.ggml)
+
+
+def model_tensors(model, config: ModelConfig, float_type: str, notes: list[str], embedding_type: str = "float"):
     """(llama.cpp tensor name, Stored) for every tensor of ``model``, in the converter's layout."""
     import gguf
 
@@ -217,6 +237,9 @@ def model_tensors(model, config: ModelConfig, float_type: str, notes: list[str])
                 if arch == "llama" and module_name.endswith(("self_attn.q_proj", "self_attn.k_proj")):
                     bias = _permute(bias, config.n_heads if module_name.endswith("q_proj") else config.n_kv_heads)
                 yield f"{gguf_name}.bias", Stored(bias, "F32")
+            continue
+        if module_name == "embed_tokens" and embedding_type == "q8_0":
+            yield f"{gguf_name}.weight", _q8_0_embedding(module.weight, notes)
             continue
         for leaf, p in params.items():  # embeddings and norms
             a = p.detach().float()
@@ -369,7 +392,7 @@ def export_gguf(artifact: Path, out: Path, opts: GgufLowerOptions, force: bool) 
     float_type = FLOAT_TYPES[opts.float_type] if opts.float_type != "auto" else {
         "float32": "F32", "float16": "F16", "bfloat16": "BF16"}[manifest["dtype"]]
     notes: list[str] = []
-    tensors = list(model_tensors(loaded.model, config, float_type, notes))
+    tensors = list(model_tensors(loaded.model, config, float_type, notes, opts.embedding_type))
 
     def write(tmp: Path) -> None:
         w = gguf.GGUFWriter(str(tmp), GGUF_ARCH[config.architecture])

@@ -85,6 +85,16 @@ def test_float_tensors_in_the_type_asked_norms_in_f32(llama, tmp_path, float_typ
     assert types["output_norm.weight"] == "F32" and types["blk.0.attn_norm.weight"] == "F32"
 
 
+def test_embedding_in_q8_0_when_asked_and_said(llama, tmp_path):
+    artifact = compile_awq(llama, tmp_path / "art", format="gguf:q4_0")
+    out = lower(artifact, "gguf", tmp_path / "m.gguf", {"embedding_type": "q8_0"})
+    assert stored_types(out)["token_embd.weight"] == "Q8_0"
+    assert any(n.startswith("embed_tokens: Q8_0 by round-to-nearest") for n in file_notes(out))
+    _, tensors = read_gguf(out, torch.float32)
+    ours = load_artifact(artifact).model.embed_tokens.weight.detach().float()
+    assert 0 < float((tensors["embed_tokens.weight"] - ours).norm() / ours.norm()) < 0.01
+
+
 def test_refusals_before_any_work(llama, tmp_path):
     fp8 = compile_fp8(llama, tmp_path)
     with pytest.raises(ConfigError, match="fp8 weights: no GGUF block type"):
