@@ -161,9 +161,7 @@ def _ranges(ix: list[int]) -> str:
 def plan_layers(config: ModelConfig, options: AWQOptions) -> tuple[dict[str, LayerPlan], dict[str, str]]:
     """(plans of the linears to convert, {excluded linear: pattern}); raises on policy ``error``.
     Routers are in neither: they are never converted."""
-    if options.format in GGUF_FORMATS:
-        return _plan_gguf(config, options)
-    g = options.group_size
+    plan_one = _gguf_plan if options.format in GGUF_FORMATS else _int4_plan
     plans, excluded = {}, {}
     offenders: dict[int, list[str]] = defaultdict(list)
     routers = set(router_names(config))
@@ -172,50 +170,45 @@ def plan_layers(config: ModelConfig, options: AWQOptions) -> tuple[dict[str, Lay
             continue
         if (pattern := excluded_by(name, options.modules_to_not_convert)) is not None:
             excluded[name] = pattern
-            continue
-        if k % g == 0:
-            plans[name] = LayerPlan(name, k, n, g, "requested")
-        elif options.group_size_policy == "pad":
-            plans[name] = LayerPlan(name, k, n, g, f"pad: in_features {k} zero-padded to {padded_width(k, g)}")
-        elif options.group_size_policy == "fallback" and (fb := fallback_group(k, g)):
-            plans[name] = LayerPlan(name, k, n, fb, f"fallback: {g} does not divide in_features {k}")
+        elif (plan := plan_one(name, k, n, options)) is not None:
+            plans[name] = plan
         else:
             offenders[k].append(name)
     if offenders:
         listed = "; ".join(_describe(names, k) for k, names in offenders.items())
-        fix = ('use group_size_policy = "pad"' if options.group_size_policy == "fallback"
-               else 'use group_size_policy = "fallback" or "pad", or a group size that divides them')
-        raise ConfigError(f"awq: group_size {g} does not divide in_features of {listed}; {fix}")
+        raise ConfigError(_offenders_message(options, listed))
     return plans, excluded
 
 
-def _plan_gguf(config: ModelConfig, options: AWQOptions) -> tuple[dict[str, LayerPlan], dict[str, str]]:
-    """``plan_layers`` for a llama.cpp block type: the type, or llama.cpp's fallback where a
-    K-quant's super-block does not divide the row; a row no block divides is an error."""
+def _int4_plan(name: str, k: int, n: int, options: AWQOptions) -> LayerPlan | None:
+    """The requested group size, or what the group-size policy makes of it (None: it cannot)."""
+    g = options.group_size
+    if k % g == 0:
+        return LayerPlan(name, k, n, g, "requested")
+    if options.group_size_policy == "pad":
+        return LayerPlan(name, k, n, g, f"pad: in_features {k} zero-padded to {padded_width(k, g)}")
+    if options.group_size_policy == "fallback" and (fb := fallback_group(k, g)):
+        return LayerPlan(name, k, n, fb, f"fallback: {g} does not divide in_features {k}")
+    return None
+
+
+def _gguf_plan(name: str, k: int, n: int, options: AWQOptions) -> LayerPlan | None:
+    """The llama.cpp block type, or llama.cpp's fallback where a K-quant's super-block does not
+    divide the row (None: no block divides it; a GGUF row cannot be padded)."""
     requested = GGUF_FORMATS[options.format]
-    plans, excluded = {}, {}
-    offenders: dict[int, list[str]] = defaultdict(list)
-    routers = set(router_names(config))
-    for name, (k, n) in float_linears(config).items():
-        if name in routers:
-            continue
-        if (pattern := excluded_by(name, options.modules_to_not_convert)) is not None:
-            excluded[name] = pattern
-            continue
-        t = BLOCK_TYPES[requested]
-        reason = "requested"
-        if k % t.super and requested in FALLBACK:
-            reason = f"llama.cpp's fallback: {t.super} does not divide in_features {k}"
-            t = BLOCK_TYPES[FALLBACK[requested]]
-        if k % t.super:
-            offenders[k].append(name)
-            continue
-        plans[name] = LayerPlan(name, k, n, t.sub, reason, t.name)
-    if offenders:
-        listed = "; ".join(_describe(names, k) for k, names in offenders.items())
-        raise ConfigError(f"awq: format {options.format!r}: GGUF blocks of 32 do not divide in_features of {listed}; "
-                          "use format = \"int4\" with group_size_policy = \"pad\", or keep them in float (modules_to_not_convert)")
-    return plans, excluded
+    t, reason = BLOCK_TYPES[requested], "requested"
+    if k % t.super and requested in FALLBACK:
+        t, reason = BLOCK_TYPES[FALLBACK[requested]], f"llama.cpp's fallback: {t.super} does not divide in_features {k}"
+    return None if k % t.super else LayerPlan(name, k, n, t.sub, reason, t.name)
+
+
+def _offenders_message(options: AWQOptions, listed: str) -> str:
+    if options.format in GGUF_FORMATS:
+        return (f"awq: format {options.format!r}: GGUF blocks of 32 do not divide in_features of {listed}; "
+                "use format = \"int4\" with group_size_policy = \"pad\", or keep them in float (modules_to_not_convert)")
+    fix = ('use group_size_policy = "pad"' if options.group_size_policy == "fallback"
+           else 'use group_size_policy = "fallback" or "pad", or a group size that divides them')
+    return f"awq: group_size {options.group_size} does not divide in_features of {listed}; {fix}"
 
 
 def wider_type(options: AWQOptions, plan: LayerPlan) -> str | None:
