@@ -95,3 +95,17 @@ def test_table_shows_each_variant_beside_its_input_whole(tiny_variants):
     assert distilled_line.split("│")[2].strip() == "awq" and lines["awq"].split("│")[2].strip() == "tiny-llama"
     for r in tiny_variants:
         assert r["path"] in lines[r["variant"]]
+
+
+@pytest.mark.integration
+def test_llama_cpp_stage_serves_the_int4_artifact_in_llama_cpp(tiny_variants, tmp_path):
+    from backends.gguf.llama_cpp import missing_reason
+    from qcompile.cli.example.llama_cpp import run_llama_cpp_stage
+
+    if missing_reason():
+        pytest.skip(missing_reason())
+    out = io.StringIO()
+    same = run_llama_cpp_stage(Console(file=out, width=LOG_WIDTH), tiny_variants, tmp_path, "def f(x):")
+    text = out.getvalue()
+    assert same in (True, False) and "llama.cpp stream (127.0.0.1:" in text and "awq.gguf" in text
+    assert (tmp_path / "awq.gguf").stat().st_size > 0

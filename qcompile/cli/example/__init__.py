@@ -14,6 +14,7 @@ from rich.console import Console
 from compiler.io.artifact import load_artifact
 from compiler.io.load import load_checkpoint
 from qcompile.cli.bench import bench_stage
+from qcompile.cli.example.llama_cpp import run_llama_cpp_stage
 from qcompile.cli.example.onnx import run_onnx_stage
 from qcompile.cli.example.serving import serve_demo
 from qcompile.cli.example.triton import run_triton_stage
@@ -36,6 +37,7 @@ def run_example(console: Console, out_dir: Path, windows: int) -> list[dict]:
     run_onnx_stage(console, rows, out_dir, PROMPT)
     serve_demo(console, rows[0]["path"])
     run_triton_stage(console, Path(rows[0]["path"]), out_dir, PROMPT)
+    run_llama_cpp_stage(console, rows, out_dir, PROMPT)
     bench_stage(console, rows[0]["path"])
     return rows
 
