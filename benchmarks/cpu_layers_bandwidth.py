@@ -58,7 +58,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -97,14 +96,6 @@ FORMATS = {f.name: f for f in (
     Format("fp8", "fp8"),
 )}
 GGUF_FORMATS = {"F32": "float32", "Q4_0": "int4-g32"}  # GGUF type -> the format whose weights it holds
-
-# qcompile's module (relative to a decoder layer) -> llama.cpp's tensor name in block i
-GGUF_LAYER_TENSORS = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-}
-
 
 def model_config(name: str, vocab_size: int) -> ModelConfig:
     return ModelConfig(architecture="LlamaForCausalLM", vocab_size=vocab_size, rope_theta=500000.0,
@@ -246,48 +237,6 @@ def measure(model_name: str, fmt: Format, args) -> dict:
 # -- llama.cpp on the same weights ------------------------------------------------------------
 
 
-def q4_0_blocks(layer: Int4Linear) -> np.ndarray:
-    """A group-32 symmetric ``Int4Linear`` as Q4_0 blocks, uint8 [N, K / 32 * 18]: per 32 weights
-    the scale d (float16) then 16 bytes, weight j's code in byte j's low nibble and weight j + 16's
-    in its high nibble; w = (q - 8)·d, our codes and scales unchanged."""
-    q, zero = layer.codes()
-    if layer.group_size != 32 or q.shape[1] != layer.in_features or not (zero == 8).all():
-        raise ValueError("Q4_0 holds group-32 symmetric INT4 of an in_features divisible by 32")
-    d = layer.scales.to(torch.float16)
-    if not torch.equal(d.float(), layer.scales.float()):
-        raise ValueError("the INT4 scales are not float16 values; Q4_0 would round them")
-    n = q.shape[0]
-    q = q.view(n, -1, 32)
-    nibbles = q[..., :16] | (q[..., 16:] << 4)
-    return torch.cat([d.view(torch.uint8).view(n, -1, 2), nibbles], dim=-1).reshape(n, -1).numpy()
-
-
-def permute_rows(a: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's q/k row order for llama: each head's rotate-half halves -> interleaved RoPE pairs."""
-    return a.reshape(n_heads, 2, a.shape[0] // n_heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
-
-
-def gguf_tensors(model: Transformer):
-    """(name, array, GGML type or None for float32) of every tensor, as llama.cpp names them."""
-    import gguf
-
-    def f32(t: torch.Tensor) -> np.ndarray:
-        return t.detach().float().contiguous().numpy()
-
-    c = model.config
-    yield "token_embd.weight", f32(model.embed_tokens.weight), None
-    for i, layer in enumerate(model.layers):
-        for module_name, gguf_name in GGUF_LAYER_TENSORS.items():
-            m = layer.get_submodule(module_name)
-            quantized = isinstance(m, Int4Linear)
-            a = q4_0_blocks(m) if quantized else f32(m.weight)
-            heads = {"attn_q": c.n_heads, "attn_k": c.n_kv_heads}.get(gguf_name)
-            a = permute_rows(a, heads) if heads else a
-            yield f"blk.{i}.{gguf_name}.weight", a, gguf.GGMLQuantizationType.Q4_0 if quantized else None
-    yield "output_norm.weight", f32(model.norm.weight), None
-    yield "output.weight", f32(model.lm_head.weight), None
-
-
 def add_placeholder_vocab(w, vocab_size: int) -> None:
     """A SentencePiece-type vocabulary of placeholder pieces: llama.cpp loads no model without a
     vocabulary, and it is fed token ids only."""
@@ -304,27 +253,21 @@ def add_placeholder_vocab(w, vocab_size: int) -> None:
 
 
 def write_gguf(model: Transformer, path: Path) -> int:
-    """Write ``model`` (float32, or with group-32 symmetric INT4 projections: Q4_0) as a llama
-    GGUF; returns its decoder layers' bytes."""
+    """Write ``model`` (float32, or with group-32 symmetric INT4 projections: Q4_0, codes and scales
+    unchanged) as a llama GGUF, by the GGUF target's own metadata and tensor code; returns its
+    decoder layers' bytes."""
     import gguf
 
-    c = model.config
+    from backends.gguf.export import model_tensors, write_metadata
+
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(c.n_layers)
-    w.add_context_length(c.max_seq_len)
-    w.add_embedding_length(c.dim)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.n_heads)
-    w.add_head_count_kv(c.n_kv_heads)
-    w.add_rope_dimension_count(c.head_dim)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_layer_norm_rms_eps(c.norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    add_placeholder_vocab(w, c.vocab_size)
+    write_metadata(w, model.config)
+    add_placeholder_vocab(w, model.config.vocab_size)
     layer_bytes = 0
-    for name, a, qtype in gguf_tensors(model):
-        w.add_tensor(name, a, raw_dtype=qtype)
-        layer_bytes += a.nbytes if name.startswith("blk.") else 0
+    for name, stored in model_tensors(model, model.config, "F32", notes=[]):
+        raw = None if stored.qtype == "F32" else gguf.GGMLQuantizationType[stored.qtype]
+        w.add_tensor(name, stored.data, raw_dtype=raw)
+        layer_bytes += stored.data.nbytes if name.startswith("blk.") else 0
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
