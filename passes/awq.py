@@ -475,10 +475,13 @@ def _metrics(layers: list[LayerDecision], windows: torch.Tensor, opts: AWQOption
         values = [r[key] for r in quantized if r.get(key) is not None]
         return sum(values) / max(len(values), 1)
 
-    sizes: dict[str, int] = {}
-    for r in quantized:
-        sizes[f"g{r['group_size']}"] = sizes.get(f"g{r['group_size']}", 0) + 1
-    return {"layers_int4": len(quantized), "layers_float": len(layers) - len(quantized),
-            "group_sizes": ", ".join(f"{k}: {v}" for k, v in sorted(sizes.items())),
+    sizes: dict[str, int] = {}  # INT4's group sizes, or the GGUF block types
+    for r in layers:
+        if r.format != "float":
+            key = r.format.removeprefix("gguf:") if r.format.startswith("gguf:") else f"g{r.metrics['group_size']}"
+            sizes[key] = sizes.get(key, 0) + 1
+    grid = "block_types" if any(r.format.startswith("gguf:") for r in layers) else "group_sizes"
+    return {"layers_quantized": len(quantized), "layers_float": len(layers) - len(quantized),
+            grid: ", ".join(f"{k}: {v}" for k, v in sorted(sizes.items())),
             "mean_rel_error_rtn": mean("rel_error_rtn"), "mean_rel_error_awq": mean("rel_error_awq"),
             "calibration_tokens": windows.numel(), "search_tokens_per_block": min(opts.search_tokens, windows.numel())}

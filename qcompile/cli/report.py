@@ -36,7 +36,7 @@ def print_summary(console: Console, s: dict) -> None:
     for col in ("module", "format", "group", "bits/weight", "MiB"):
         table.add_column(col, justify="right" if col != "module" else "left")
     for layer in s["layers"]:
-        table.add_row(layer["module"], layer["format"], _fmt(layer.get("group_size", "")),
+        table.add_row(layer["module"], layer["format"], _fmt(layer.get("group_size", layer.get("block_type", ""))),
                       f"{layer['bits_per_weight']:.2f}", f"{layer['bytes'] / 2**20:.2f}")
     console.print(table)
     size = s["size"]

@@ -203,7 +203,7 @@ def test_awq_artifact_reloads_with_same_logits(tiny_checkpoint_with_tokenizer, t
     assert {"group_size", "alpha", "clip_ratio", "rel_error_rtn", "rel_error_awq"} <= set(q.metrics)
     rows = load_artifact(tmp_path / "awq").manifest["passes"][0]["layers"]  # serialised as they are
     assert rows == [dataclasses.asdict(r) for r in report.layers]
-    assert report.metrics["layers_int4"] == 14
+    assert report.metrics["layers_quantized"] == 14
     assert report.metrics["mean_rel_error_awq"] < report.metrics["mean_rel_error_rtn"]
     reloaded = load_artifact(tmp_path / "awq")
     ids = torch.randint(0, result.loaded.model.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(7))
