@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from backends.gguf.llama_cpp import tool
+from backends.server_process import ServerProcess
 from compiler.errors import ConfigError, QCompileError
-
-STOP_TIMEOUT_S = 30.0
 
 
 class LlamaServerError(QCompileError):
@@ -49,14 +45,16 @@ class LlamaServerOptions:
         return str(Path(self.model).resolve())
 
 
-class LlamaServer:
+class LlamaServer(ServerProcess):
     """A ``llama-server`` child process: ``start()`` waits for readiness, ``stop()`` shuts it down."""
+
+    what, error, poll_s = "llama-server", LlamaServerError, 0.3
 
     def __init__(self, opts: LlamaServerOptions, log_path: Path | None = None):
         if not Path(opts.model).is_file() or Path(opts.model).suffix != ".gguf":
             raise ConfigError(f"{opts.model}: not a .gguf file; write one with 'qcompile lower ARTIFACT --target gguf -o MODEL.gguf'")
-        self.opts, self.log_path = opts, log_path
-        self.process: subprocess.Popen | None = None
+        super().__init__(log_path)
+        self.opts = opts
 
     @property
     def url(self) -> str:
@@ -66,20 +64,8 @@ class LlamaServer:
     def model(self) -> str:
         return self.opts.name
 
-    def start(self, timeout_s: float = 300.0) -> "LlamaServer":
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(self.opts.command(), stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                hint = f"; see its log {self.log_path}" if self.log_path else ""
-                raise LlamaServerError(f"llama-server exited with code {self.process.returncode} before it was ready{hint}")
-            if self.ready():
-                return self
-            time.sleep(0.3)
-        self.stop()
-        raise LlamaServerError(f"llama-server was not ready after {timeout_s:.0f} s")
+    def command(self) -> list[str]:
+        return self.opts.command()
 
     def ready(self) -> bool:
         """The model is loaded (``/health`` answers 200 only then) and listed under its id."""
@@ -91,20 +77,3 @@ class LlamaServer:
                 return any(m.get("id") == self.model for m in json.load(r).get("data", []))
         except (OSError, ValueError):
             return False
-
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
-        """SIGINT (llama-server finishes and exits), SIGKILL to its group if it hangs; the exit code."""
-        if self.process is None or self.process.poll() is not None:
-            return self.process.returncode if self.process else None
-        self.process.send_signal(signal.SIGINT)
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            return self.process.wait()
-
-    def __enter__(self) -> "LlamaServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backends.server_process import ServerProcess
 from compiler.errors import QCompileError
 
 SERVER_NUMPY = "numpy==1.26.4"  # the wheel's stub reads BYTES tensors correctly only under numpy 1.x
@@ -188,14 +187,17 @@ def server_env(install: TritonInstall) -> dict[str, str]:
     return env
 
 
-class TritonServer:
-    """A tritonserver child process: ``start()`` waits for readiness, ``stop()`` shuts it down cleanly."""
+class TritonServer(ServerProcess):
+    """A tritonserver child process: ``start()`` waits for readiness, ``stop()`` shuts it down cleanly
+    (SIGINT: Triton drains, unloads models and exits; SIGKILL to its session, the stubs too, if it hangs)."""
+
+    what, error, poll_s = "tritonserver", TritonServerError, 0.25
+    start_timeout_s, stop_timeout_s = 180.0, EXIT_TIMEOUT_S + 25
 
     def __init__(self, opts: ServerOptions, install: TritonInstall | None = None, log_path: Path | None = None):
+        super().__init__(log_path)
         self.opts = opts
         self.install = install or find_install()
-        self.log_path = log_path
-        self.process: subprocess.Popen | None = None
 
     @property
     def http_url(self) -> str:
@@ -205,22 +207,11 @@ class TritonServer:
     def grpc_url(self) -> str:
         return f"{self.opts.host}:{self.opts.grpc_port}"
 
-    def start(self, timeout_s: float = 180.0) -> "TritonServer":
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(server_command(self.install, self.opts), env=server_env(self.install),
-                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise TritonServerError(f"tritonserver exited with code {self.process.returncode} before it was ready{self._log_hint()}")
-            if self.ready():
-                return self
-            time.sleep(0.25)
-        self.stop()
-        raise TritonServerError(f"tritonserver was not ready after {timeout_s:.0f} s{self._log_hint()}")
+    def command(self) -> list[str]:
+        return server_command(self.install, self.opts)
 
-    def _log_hint(self) -> str:
-        return f"; see its log {self.log_path}" if self.log_path else "; rerun with a log to see why"
+    def env(self) -> dict[str, str]:
+        return server_env(self.install)
 
     def ready(self) -> bool:
         try:
@@ -228,23 +219,6 @@ class TritonServer:
                 return r.status == 200
         except OSError:
             return False
-
-    def stop(self, timeout_s: float = EXIT_TIMEOUT_S + 25) -> int | None:
-        """SIGINT (Triton then drains, unloads models and exits), SIGKILL if it hangs; returns the exit code."""
-        if self.process is None or self.process.poll() is not None:
-            return self.process.returncode if self.process else None
-        self.process.send_signal(signal.SIGINT)
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the stub children go too
-            return self.process.wait()
-
-    def __enter__(self) -> "TritonServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 if __name__ == "__main__":

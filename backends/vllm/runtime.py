@@ -19,13 +19,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import signal
 import subprocess
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backends.server_process import ServerProcess
 from compiler.errors import QCompileError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -185,14 +184,17 @@ def host_refusal(config: dict, host: VllmHost) -> str | None:
     return None
 
 
-class VllmServer:
-    """A ``vllm serve`` child process: ``start()`` waits for readiness, ``stop()`` shuts it down cleanly."""
+class VllmServer(ServerProcess):
+    """A ``vllm serve`` child process: ``start()`` waits for readiness, ``stop()`` shuts it down cleanly
+    (SIGINT: vLLM stops its engine process and exits; the engine core, in the same session, never outlives it)."""
+
+    what, error = "vllm serve", VllmServerError
+    start_timeout_s, stop_timeout_s = 600.0, STOP_TIMEOUT_S
 
     def __init__(self, opts: VllmOptions, log_path: Path | None = None, python: Path | None = None):
+        super().__init__(log_path)
         self.opts = opts
         self.python = python or vllm_python()
-        self.log_path = log_path
-        self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
@@ -209,26 +211,18 @@ class VllmServer:
         if why:
             raise VllmHostError(f"{self.opts.checkpoint}: {why}")
 
-    def start(self, timeout_s: float = 600.0, check_host: bool = True) -> "VllmServer":
+    def start(self, timeout_s: float | None = None, check_host: bool = True) -> "VllmServer":
         """Start vLLM and wait until it serves. ``check_host=False`` skips the host check: vLLM then fails on its
         own (the tests see that it does, and why)."""
         if check_host:
             self.check_host()
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(serve_command(self.python, self.opts), env=server_env(), stdout=log,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise VllmServerError(f"vllm serve exited with code {self.process.returncode} before it was ready{self._log_hint()}")
-            if self.ready():
-                return self
-            time.sleep(0.5)
-        self.stop()
-        raise VllmServerError(f"vllm serve was not ready after {timeout_s:.0f} s{self._log_hint()}")
+        return super().start(timeout_s)
 
-    def _log_hint(self) -> str:
-        return f"; see its log {self.log_path}" if self.log_path else "; rerun with a log to see why"
+    def command(self) -> list[str]:
+        return serve_command(self.python, self.opts)
+
+    def env(self) -> dict[str, str]:
+        return server_env()
 
     def ready(self) -> bool:
         """The API answers and lists the model (``/health`` alone is up before the model is)."""
@@ -237,25 +231,3 @@ class VllmServer:
                 return r.status == 200 and any(m.get("id") == self.model for m in json.load(r).get("data", []))
         except (OSError, ValueError):
             return False
-
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
-        """SIGINT (vLLM stops its engine process and exits), SIGKILL to the group if it hangs; the exit code."""
-        if self.process is None or self.process.poll() is not None:
-            return self.process.returncode if self.process else None
-        self.process.send_signal(signal.SIGINT)
-        try:
-            code = self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            code = self.process.wait()
-        try:  # the engine core is a child in the same session: never leave it behind
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return code
-
-    def __enter__(self) -> "VllmServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
