@@ -65,6 +65,7 @@ from compiler.pipeline.calibration import (
     collect_block,
 )
 from compiler.pipeline.memory import converted_weights
+from compiler.quant.gguf_blocks import BLOCK_TYPES
 from passes.awq_mappings import (
     NO_CLIP,
     SMOOTHING,
@@ -73,7 +74,6 @@ from passes.awq_mappings import (
     fold_scales,
     layer_groups,
 )
-from compiler.quant.gguf_blocks import BLOCK_TYPES
 from passes.awq_grid import grid_of
 from passes.awq_plan import (
     AWQOptions,
@@ -114,12 +114,18 @@ class AWQPass(Pass):
         return {name: p.format(self.options.zero_point) for name, p in plans.items()}
 
     def scope(self, config):
-        return "block"
+        # gguf:q4_k_m chooses its Q6_K layers over the whole model, after the last block: not one block at a time
+        return "model" if self.options.format == "gguf:q4_k_m" else "block"
 
     def working_memory(self, config, calibration, dtype_bytes, streamed):
         terms = awq_working_memory(config, calibration, self.options, dtype_bytes)
-        if not streamed:  # 4-bit codes, and a scale and a zero point per group
+        if streamed:
+            return terms
+        if self.options.format == "int4":  # 4-bit codes, and a scale and a zero point per group
             terms["INT4 weights (every block)"] = converted_weights(config, 0.5 + (dtype_bytes + 1) / self.options.group_size)
+        else:  # a byte per code and a float16 scale per 16-32 weights; q4_k_m also keeps each layer's Q6_K candidate
+            candidates = 2 if self.options.format == "gguf:q4_k_m" else 1
+            terms["GGUF block codes (every block)"] = converted_weights(config, candidates * (1 + 2 / 16))
         return terms
 
     def stream(self, model: torch.nn.Module, context: PassContext) -> "AwqStream":

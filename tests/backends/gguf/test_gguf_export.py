@@ -166,3 +166,16 @@ def test_cli_lower_prints_the_notes_and_refuses_in_one_line(llama, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "qcompile", "lower", str(artifact), "--target", "gguf", "-o",
                           str(tmp_path / "m.gguf")], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert bad.returncode != 0 and "already exists" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_q4_k_m_compiles_whole_not_streamed(llama, tmp_path):
+    """Its Q6_K layers are chosen over the whole model after the last block: a streamed compile
+    (blocks written as they are done) would lose them, so it is refused, saying why."""
+    import passes  # noqa: F401
+    from compiler.pipeline import PipelineConfig
+    from compiler.pipeline.compile import compile_model
+
+    config = PipelineConfig.from_dict({"calibration": {"samples": 4, "seq_len": 64},
+                                       "passes": [{"name": "awq", "format": "gguf:q4_k_m"}]})
+    with pytest.raises(ConfigError, match="pass awq needs the whole model in memory"):
+        compile_model(llama, config, tmp_path / "art", streaming="on")
