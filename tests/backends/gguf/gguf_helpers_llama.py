@@ -24,13 +24,18 @@ ARCHS = {
                                             head_dim=64, query_pre_attn_scalar=64, sliding_window=8,
                                             layer_types=[SLIDING] * 5 + [FULL]),
 }
+# Mixture-of-experts: llama.cpp's qwen3moe, and Mixtral as its llama with stacked experts.
+MOE_ARCHS = {
+    "qwen3-moe": lambda vocab: make_arch_model("qwen3-moe", vocab_size=vocab, **SHAPE, moe_intermediate_size=256),
+    "mixtral": lambda vocab: make_arch_model("mixtral", vocab_size=vocab, **SHAPE),
+}
 # Fast settings: the pass's machinery on every grid, not its full search.
 FAST_AWQ = {"alpha_grid": 4, "clip_grid": 4, "module_candidates": 0, "search_tokens": 512}
 
 
 def save_checkpoint(root: Path, arch: str) -> Path:
     tokenizer = make_byte_tokenizer()
-    model = ARCHS[arch](len(tokenizer))
+    model = {**ARCHS, **MOE_ARCHS}[arch](len(tokenizer))
     if arch in ("llama", "qwen2"):  # transformers' 0.02 init makes near-uniform logits: widen them for clear argmaxes
         with torch.no_grad():
             for p in model.parameters():

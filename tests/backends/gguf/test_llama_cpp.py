@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf_helpers_llama import ARCHS, compile_awq, llama_cpp_reference, save_checkpoint
+from gguf_helpers_llama import ARCHS, MOE_ARCHS, compile_awq, llama_cpp_reference, save_checkpoint
 
 import backends  # noqa: F401  (registers the gguf target)
 from backends.gguf.llama_cpp import import_llama_cpp, missing_reason
@@ -88,6 +88,19 @@ def test_llama_cpp_runs_the_file_as_the_engine_runs_the_artifact(checkpoints, tm
     ours_greedy, theirs_greedy = greedy_reference(reference, PROMPT), greedy_llama_cpp(llm, PROMPT)
     tie = TIE_DISCREPANCIES * rel * float(ours.std())
     assert first_real_disagreement(reference, PROMPT, ours_greedy, theirs_greedy, tie) is None
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_llama_cpp_runs_stacked_experts(tmp_path, arch):
+    """Qwen3-MoE and Mixtral: each layer's experts stacked per projection, the router in F32."""
+    artifact = compile_awq(save_checkpoint(tmp_path, arch), tmp_path / "art", format="gguf:q4_0")
+    llm = llama(lower(artifact, "gguf", tmp_path / "m.gguf"))
+    llm.eval(PROMPT)
+    theirs = np.array(llm.scores[: len(PROMPT)])
+    with torch.no_grad():
+        ours = llama_cpp_reference(load_artifact(artifact).model)(torch.tensor([PROMPT]))[0].float().numpy()
+    rel = float(np.linalg.norm(theirs - ours) / np.linalg.norm(ours))
+    assert rel < LOGIT_BOUND, f"{arch}: llama.cpp's logits {rel:.4f} from the engine's reference"
 
 
 def test_llama_cpp_tokenizes_as_the_artifacts_tokenizer(checkpoints, tmp_path):
