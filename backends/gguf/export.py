@@ -73,15 +73,15 @@ class GgufLowerOptions:
 def check_module(module: str, fmt: dict) -> str | None:
     """None when the GGUF file holds ``module``'s format exactly, else why not and what to compile instead."""
     name = fmt.get("format")
+    if name in ("gguf", "int4") and fmt.get("padded_in_features") != fmt.get("in_features"):
+        how = 'group_size_policy = "pad"' if name == "int4" else "zero columns"
+        return (f"{name} rows zero-padded to {fmt.get('padded_in_features')} ({how}): a GGUF row holds exactly "
+                "in_features weights; use group_size_policy = \"fallback\" or a format whose blocks divide the rows")
     if name == "gguf":
         return None
     if name == "int4":
-        if fmt.get("padded_in_features") != fmt.get("in_features"):
-            return (f"int4 rows zero-padded to {fmt.get('padded_in_features')} (group_size_policy = \"pad\"): a GGUF row "
-                    "holds exactly in_features weights; use group_size_policy = \"fallback\"")
-        if fmt.get("group_size", 0) % 32:
-            return f"int4 group size {fmt.get('group_size')}: GGUF blocks are 32 wide; use 32, 64, 128 or 256"
-        return None
+        group = fmt.get("group_size", 0)
+        return None if group % 32 == 0 else f"int4 group size {group}: GGUF blocks are 32 wide; use 32, 64, 128 or 256"
     if name == "fp8":
         return "fp8 weights: no GGUF block type holds FP8 codes and scales; compile with the awq pass (format = \"gguf:q4_k_m\" or \"int4\")"
     return f"weight format {name!r}, which GGUF cannot hold; compile with the awq pass (format = \"gguf:q4_k_m\")"

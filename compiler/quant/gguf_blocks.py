@@ -221,7 +221,7 @@ def _pack_q6_k(t, q, f):
     b = q.shape[0]
     halves = q.reshape(b, 2, 4, 32)  # [B, half, quarter, 32]
     low, high = halves & 0x0F, halves >> 4
-    ql = np.concatenate([low[:, :, 0:2].reshape(b, 2, 64) | (low[:, :, 2:4].reshape(b, 2, 64) << 4)], axis=-1)
+    ql = low[:, :, 0:2].reshape(b, 2, 64) | (low[:, :, 2:4].reshape(b, 2, 64) << 4)
     qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
     return np.concatenate([ql.reshape(b, 128), qh.reshape(b, 64), f["sc"].view(np.uint8), _f16_bytes(f["d"])], axis=1)
 

@@ -114,6 +114,8 @@ def test_what_a_gguf_file_cannot_hold_is_named():
     padded = {"format": "int4", "group_size": 64, "in_features": 576, "padded_in_features": 640}
     assert "zero-padded" in check_module("layers.0.mlp.up_proj", padded)
     assert check_module("x", {"format": "int4", "group_size": 64, "in_features": 576, "padded_in_features": 576}) is None
+    assert "zero-padded" in check_module("x", {"format": "gguf", "block_type": "q4_k", "in_features": 576,
+                                               "padded_in_features": 768})
     base = dict(vocab_size=64, dim=64, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=96)
     assert "no model qcompile writes" in check_config(ModelConfig(architecture="DeepseekV3ForCausalLM", **{
         **base, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "q_lora_rank": 0,
