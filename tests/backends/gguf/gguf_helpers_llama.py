@@ -74,3 +74,16 @@ def llama_cpp_reference(model: torch.nn.Module) -> torch.nn.Module:
             m.forward = lambda x, w=weight, block=block, bias=m.bias: torch.nn.functional.linear(
                 _round_to_int8(x, block), w, None if bias is None else bias.float())
     return model
+
+
+def greedy_llama_cpp(llm, prompt: list[int], tokens: int) -> list[int]:
+    """``tokens`` greedy tokens of llama.cpp (a ``llama_cpp.Llama`` made with ``logits_all``) after ``prompt``."""
+    import numpy as np
+
+    llm.reset()
+    llm.eval(prompt)
+    out = []
+    for _ in range(tokens):
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([out[-1]])
+    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf_helpers_llama import ARCHS, MOE_ARCHS, compile_awq, llama_cpp_reference, save_checkpoint
+from gguf_helpers_llama import ARCHS, MOE_ARCHS, compile_awq, greedy_llama_cpp, llama_cpp_reference, save_checkpoint
 
 import backends  # noqa: F401  (registers the gguf target)
 from backends.gguf.llama_cpp import import_llama_cpp, missing_reason
@@ -40,16 +40,6 @@ def llama(path):
     llama_cpp = import_llama_cpp()
     return llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=2,
                            type_k=GGML_F32, type_v=GGML_F32)
-
-
-def greedy_llama_cpp(llm, prompt: list[int]) -> list[int]:
-    llm.reset()
-    llm.eval(prompt)
-    out = []
-    for _ in range(TOKENS):
-        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-        llm.eval([out[-1]])
-    return out
 
 
 def greedy_reference(model, prompt: list[int]) -> list[int]:
@@ -85,7 +75,7 @@ def test_llama_cpp_runs_the_file_as_the_engine_runs_the_artifact(checkpoints, tm
     assert np.isfinite(theirs).all()
     rel = float(np.linalg.norm(theirs - ours) / np.linalg.norm(ours))
     assert rel < LOGIT_BOUND, f"{arch} {fmt}: llama.cpp's logits {rel:.4f} from the engine's reference"
-    ours_greedy, theirs_greedy = greedy_reference(reference, PROMPT), greedy_llama_cpp(llm, PROMPT)
+    ours_greedy, theirs_greedy = greedy_reference(reference, PROMPT), greedy_llama_cpp(llm, PROMPT, TOKENS)
     tie = TIE_DISCREPANCIES * rel * float(ours.std())
     assert first_real_disagreement(reference, PROMPT, ours_greedy, theirs_greedy, tie) is None
 

@@ -10,9 +10,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
-from gguf_helpers_llama import compile_awq, save_checkpoint
+from gguf_helpers_llama import compile_awq, greedy_llama_cpp, save_checkpoint
 
 import backends  # noqa: F401
 from backends.gguf.llama_cpp import import_llama_cpp, missing_reason
@@ -42,12 +41,7 @@ def gguf_file(tmp_path_factory):
 
 def greedy_in_process(path: Path, tokens: int) -> list[int]:
     llm = import_llama_cpp().Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=2)
-    llm.eval(PROMPT)
-    out = []
-    for _ in range(tokens):
-        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-        llm.eval([out[-1]])
-    return out
+    return greedy_llama_cpp(llm, PROMPT, tokens)
 
 
 async def _stream(adapter, params):
