@@ -62,6 +62,8 @@ class GgufGrid:
         return self.type.fake_quantize(w, clip_ratio)
 
     def module(self, linear: torch.nn.Linear, clip, hessian: torch.Tensor | None, damp: float) -> GgufLinear:
+        """The layer on this block type: round-to-nearest, or GPTQ's rounding on the fields the clipped
+        range chose (each column rounded onto its sub-block's q * scale + offset)."""
         if hessian is None:
             return GgufLinear.from_float(linear, self.block_type, clip)
         t = self.type
