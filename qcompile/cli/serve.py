@@ -26,7 +26,8 @@ def serve_cmd(
     grpc_port: int = typer.Option(8001, help="gRPC port (Triton only)."),
     metrics_port: int = typer.Option(8002, help="Prometheus metrics port (Triton only)."),
     log_file: Optional[Path] = typer.Option(None, help="Server log (default: a temporary file, printed)."),
-    parallel: int = typer.Option(16, help="llama.cpp only: requests decoded concurrently (its --parallel slots)."),
+    parallel: Optional[int] = typer.Option(None, min=1, help="llama.cpp only: requests decoded concurrently (its "
+                                                                "--parallel slots; default 16)."),
 ):
     """Start Triton Inference Server (or vLLM) on REPOSITORY; Ctrl-C or SIGTERM stops it cleanly."""
     from backends.triton.runtime import ServerOptions, TritonServer
@@ -38,7 +39,9 @@ def serve_cmd(
     if engine == "vllm":
         return serve_vllm(repository, host, http_port, log_file)
     if engine == "llama.cpp":
-        return serve_llama_cpp(repository, host, http_port, log_file, parallel)
+        return serve_llama_cpp(repository, host, http_port, log_file, parallel or 16)
+    if parallel is not None:
+        raise ConfigError(f"--parallel sets llama.cpp's slots; --engine {engine} does not take it")
 
     if not any(repository.glob("*/config.pbtxt")):
         raise ConfigError(f"{repository}: no <model>/config.pbtxt inside; write one with 'qcompile lower ARTIFACT --target triton -o {repository}'")

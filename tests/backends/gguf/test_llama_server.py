@@ -82,3 +82,9 @@ def test_cli_serves_until_sigterm_and_refuses_a_non_gguf_in_one_line(gguf_file, 
     assert "ready: model" in output and "llama-server stopped" in output and proc.returncode == 0
     with pytest.raises(ConfigError, match="not a .gguf file"):
         LlamaServer(LlamaServerOptions(tmp_path))
+
+
+def test_parallel_is_refused_by_the_other_engines(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "qcompile", "serve", str(tmp_path), "--engine", "triton", "--parallel", "4"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--parallel sets llama.cpp's slots" in run.stderr and "Traceback" not in run.stderr
