@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=str(missing
 
 FORMATS = {"gguf:q4_0": {"format": "gguf:q4_0"}, "gguf:q4_1": {"format": "gguf:q4_1"},
            "gguf:q4_k_m": {"format": "gguf:q4_k_m"}, "int4 g128 symmetric": {"group_size": 128, "zero_point": False}}
-LOGIT_BOUND = 0.05  # relative L2 distance of the logits; measured 0.002-0.02 (llama.cpp's own rounding and summation order)
+LOGIT_BOUND = 0.05  # relative L2 distance of the logits; 0.011-0.024 where measured (llama.cpp's own rounding and summation order)
 # A greedy disagreement is a tie when the reference's two candidates are closer than this many
 # times the measured logit discrepancy (the relative distance times the logits' spread).
 TIE_DISCREPANCIES = 3.0
