@@ -213,10 +213,8 @@ def model_tensors(model, config: ModelConfig, float_type: str, notes: list[str],
     for module_name, module in model.named_modules():
         if module_name == "lm_head" and config.tie_embeddings:
             continue
-        params = {k: v for k, v in module.named_parameters(recurse=False)} | {
-            k: v for k, v in module.named_buffers(recurse=False) if k == "bias" and v is not None}
         is_linear = isinstance(module, (GgufLinear, Int4Linear, torch.nn.Linear))
-        if not is_linear and not params:
+        if not is_linear and not any(True for _ in module.parameters(recurse=False)):
             continue
         hf = "model." + module_name if module_name != "lm_head" else module_name
         if ".experts." in module_name:  # stacked below, one tensor per projection and layer
@@ -227,27 +225,35 @@ def model_tensors(model, config: ModelConfig, float_type: str, notes: list[str],
         if gguf_name is None:
             raise ConfigError(f"{module_name}: llama.cpp's {arch} model has no tensor for it")
         if is_linear:
-            stored = _module_tensor(module, module_name, notes, float_type)
-            if arch == "llama" and module_name.endswith(("self_attn.q_proj", "self_attn.k_proj")):
-                heads = config.n_heads if module_name.endswith("q_proj") else config.n_kv_heads
-                stored = _rows(stored, _permute(np.arange(stored.data.shape[0]), heads))
-            yield f"{gguf_name}.weight", stored
-            if getattr(module, "bias", None) is not None:
-                bias = module.bias.detach().float().numpy()
-                if arch == "llama" and module_name.endswith(("self_attn.q_proj", "self_attn.k_proj")):
-                    bias = _permute(bias, config.n_heads if module_name.endswith("q_proj") else config.n_kv_heads)
-                yield f"{gguf_name}.bias", Stored(bias, "F32")
-            continue
-        if module_name == "embed_tokens" and embedding_type == "q8_0":
+            yield from _linear_tensors(module, module_name, gguf_name, config, notes, float_type)
+        elif module_name == "embed_tokens" and embedding_type == "q8_0":
             yield f"{gguf_name}.weight", _q8_0_embedding(module.weight, notes)
-            continue
-        for leaf, p in params.items():  # embeddings and norms
-            a = p.detach().float()
-            if arch == "gemma3" and "norm" in module_name:
-                a = a + 1  # llama.cpp's Gemma norms multiply by the stored weight
-            yield f"{gguf_name}.{leaf}", _float(a, float_type) if a.dim() == 2 else Stored(a.numpy(), "F32")
+        else:
+            yield from _plain_tensors(module, module_name, gguf_name, arch, float_type)
     for (base, leaf), group in experts.items():
         yield _stacked(names, base, leaf, group, notes, float_type)
+
+
+def _linear_tensors(module, module_name: str, gguf_name: str, config: ModelConfig, notes: list[str], float_type: str):
+    """A linear layer's weight (and bias), Llama's q/k rows permuted for llama.cpp's RoPE."""
+    stored = _module_tensor(module, module_name, notes, float_type)
+    heads = None
+    if GGUF_ARCH[config.architecture] == "llama" and module_name.endswith(("self_attn.q_proj", "self_attn.k_proj")):
+        heads = config.n_heads if module_name.endswith("q_proj") else config.n_kv_heads
+        stored = _rows(stored, _permute(np.arange(stored.data.shape[0]), heads))
+    yield f"{gguf_name}.weight", stored
+    if getattr(module, "bias", None) is not None:
+        bias = module.bias.detach().float().numpy()
+        yield f"{gguf_name}.bias", Stored(bias if heads is None else _permute(bias, heads), "F32")
+
+
+def _plain_tensors(module, module_name: str, gguf_name: str, arch: str, float_type: str):
+    """Embeddings and norms: matrices in ``float_type``, vectors in F32 (Gemma's norms as 1 + w)."""
+    for leaf, p in module.named_parameters(recurse=False):
+        a = p.detach().float()
+        if arch == "gemma3" and "norm" in module_name:
+            a = a + 1  # llama.cpp's Gemma norms multiply by the stored weight
+        yield f"{gguf_name}.{leaf}", _float(a, float_type) if a.dim() == 2 else Stored(a.numpy(), "F32")
 
 
 def _stacked(names, base: str, leaf: str, group: list, notes: list[str], float_type: str):
