@@ -1,7 +1,7 @@
 """Float32 linear layers on the CPU: MKL's ``F.linear``, oneDNN and qcompile's kernel on packed weights, by rows.
 
     python benchmarks/dense_cpu.py [--threads 2] [--rows 1,2,3,4,16,64,512] [--layers 30] [--repeats 10] [--modules] [--int4]
-        [--isa avx2,avx512_bf16]
+        [--int8] [--isa avx2,avx512_bf16]
 
 The layers are SmolLM2's decoder projections as the engine runs them (q/k/v fused 576 -> 960,
 o 576 -> 576, gate/up fused 576 -> 3072, down 1536 -> 576), ``--layers`` copies of each, so that the
@@ -18,6 +18,11 @@ float copy packed (``pack_linears``), so the FP8 column is float's matmul plus w
 ``--int4`` adds the same layers as ``Int4Linear`` (round to nearest, group 64, 128 for the 1536-wide
 input, as AWQ's fallback gives SmolLM2), called as the engine does: W4A16 (torch's INT4 kernel below
 256 rows, ``int4_dense_linear`` from there) and W4A8 (``int4_compute = "w4a8"``: ``w4a8_linear``).
+
+``--int8`` adds them as int8 weights (``compiler/quant/int8.py``) times int8 activations quantized
+per token, symmetric: qcompile's ``w8a8_linear`` (the quantization inside the call), and torch's
+``torch._int_mm`` on the weight transposed once, the activations quantized and the output scaled
+by torch ops (``quantize_per_token``, then ``int8_gemm``'s scaling).
 """
 from __future__ import annotations
 
@@ -63,6 +68,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--modules", action="store_true", help="also time PackedLinear and Fp8Linear modules")
     p.add_argument("--int4", action="store_true", help="also time Int4Linear modules, W4A16 and W4A8")
+    p.add_argument("--int8", action="store_true", help="also time W8A8: w8a8_linear and torch._int_mm")
     p.add_argument("--isa", help="ISA levels to run qcompile's kernels at, a comma list (default: the process's)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -72,19 +78,23 @@ def main() -> None:
     ours = [_Packed(pack_dense_weight(w), w.shape) for w in weights] if cpu_kernels() is not None else []
     float_modules, fp8_modules = engine_modules(weights) if args.modules else ([], [])
     w4a16_modules, w4a8_modules = int4_modules(weights) if args.int4 else ([], [])
+    int8_weights = [_Int8(w) for w in weights] if args.int8 else []
     for level in args.isa.split(",") if args.isa else [cpu_isa_in_use()]:
         with use_isa(level) if level else contextlib.nullcontext():
             print(f"{args.layers} layers x {len(SHAPES)} projections, float32, {args.threads} threads, qcompile's kernels "
                   f"at {level or 'none'} ({cpu_model()}): ms per pass")
-            print_table(args, weights, packed, ours, float_modules, fp8_modules, w4a16_modules, w4a8_modules)
+            print_table(args, weights, packed, ours, float_modules, fp8_modules, w4a16_modules, w4a8_modules,
+                        int8_weights)
 
 
-def print_table(args, weights, packed, ours, float_modules, fp8_modules, w4a16_modules, w4a8_modules) -> None:
+def print_table(args, weights, packed, ours, float_modules, fp8_modules, w4a16_modules, w4a8_modules,
+                int8_weights) -> None:
     onednn = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731
     ops = cpu_kernels()
     print(f"{'rows':>6} {'F.linear (MKL)':>16} {'oneDNN packed':>15} {'qcompile packed':>17}"
           + (f" {'PackedLinear':>13} {'Fp8Linear':>10}" if args.modules else "")
-          + (f" {'INT4 W4A16':>11} {'INT4 W4A8':>10}" if args.int4 else ""))
+          + (f" {'INT4 W4A16':>11} {'INT4 W4A8':>10}" if args.int4 else "")
+          + (f" {'W8A8 qcompile':>14} {'W8A8 _int_mm':>13}" if args.int8 else ""))
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
             inputs = {k: torch.randn(rows, k) for k in {k for k, _ in SHAPES}}
@@ -98,6 +108,9 @@ def print_table(args, weights, packed, ours, float_modules, fp8_modules, w4a16_m
             if args.int4:
                 line += f" {pass_ms(w4a16_modules, inputs, call, args.repeats):>11.1f}"
                 line += f" {pass_ms(w4a8_modules, inputs, call, args.repeats):>10.1f}"
+            if args.int8:
+                own8 = f"{pass_ms(int8_weights, inputs, _Int8.w8a8, args.repeats):.1f}" if ops is not None else "-"
+                line += f" {own8:>14} {pass_ms(int8_weights, inputs, _Int8.int_mm, args.repeats):>13.1f}"
             print(line)
 
 
@@ -106,6 +119,32 @@ class _Packed:
 
     def __init__(self, packed: torch.Tensor, shape: torch.Size):
         self.packed, self.shape = packed, shape
+
+
+class _Int8:
+    """A weight as int8 codes and scales (compiler/quant/int8.py): w8a8_linear's pack, and the codes
+    transposed once for torch._int_mm; ``shape`` as ``pass_ms`` reads it."""
+
+    def __init__(self, w: torch.Tensor):
+        from compiler.kernels.w8a8_cpu import pack_w8a8
+        from compiler.quant.int8 import quantize_weight, weight_scale
+
+        self.scale = weight_scale(w)
+        codes = quantize_weight(w, self.scale)
+        self.pack, self.codes_t, self.shape = pack_w8a8(codes), codes.t().contiguous(), w.shape
+
+    @staticmethod
+    def w8a8(x: torch.Tensor, layer: _Int8) -> torch.Tensor:
+        from compiler.kernels.w8a8_cpu import w8a8_matmul
+
+        return w8a8_matmul(x, layer.pack, layer.scale)
+
+    @staticmethod
+    def int_mm(x: torch.Tensor, layer: _Int8) -> torch.Tensor:
+        from compiler.quant.int8 import quantize_per_token
+
+        q, s, _ = quantize_per_token(x)
+        return torch._int_mm(q, layer.codes_t).float() * (s * layer.scale[None, :])
 
 
 class _Layer(torch.nn.Module):

@@ -29,7 +29,7 @@ import torch
 from compiler.kernels.cpu_isa import LEVELS
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("dense.cpp", "w4a8.cpp", "fp8.cpp", "paged_decode.cpp", "layer_ops.cpp", "library.cpp")
+SOURCES = ("dense.cpp", "w4a8.cpp", "w8a8.cpp", "fp8.cpp", "paged_decode.cpp", "layer_ops.cpp", "library.cpp")
 # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers, so without it the kernels run on one
 # thread; its `omp simd` loops vectorise without -ffast-math, which would change the FP8 rounding and
 # NaN handling kept exact. -ffp-contract=off: GCC would otherwise fuse a * b + c into an FMA, and

@@ -42,6 +42,11 @@ inside (``csrc/isa.h``). ``ops.isa()`` names the level a library was built for.
   int8 activations (W4A8: each row quantized per group, integer dot products),
   ``compiler/kernels/w4a8_cpu.py``'s packing; within ~1e-7 of its torch reference ``w4a8_reference``,
   the same bits at every level.
+- ``w8a8_linear(x, packed, weight_sums, weight_scale, out_features, bias, input_scale,
+  input_zero_point, symmetric)``: an int8 layer on int8 activations (W8A8), each row quantized in
+  the call (per token, symmetric or not, or on a static per-tensor scale and zero point), integer
+  dot products; ``compiler/quant/int8.py``'s ``int8_gemm`` of its codes bit for bit at every level
+  (``compiler/kernels/w8a8_cpu.py``'s packing).
 
 Where the kernels cannot be had (no compiler, a CPU below x86-64-v3, ``QCOMPILE_CPU_KERNELS=0`` to
 compare against the reference) the callers run the torch reference and say so in their reports

@@ -34,6 +34,8 @@ QC_TORCH_LIBRARY(QC_LIBRARY, m) {
   m.def("int4_dense_linear(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group_size, Tensor? bias) -> Tensor");
   m.def("w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor zero_scales, int group_size, int out_features, "
         "Tensor? bias) -> Tensor");
+  m.def("w8a8_linear(Tensor x, Tensor packed, Tensor weight_sums, Tensor weight_scale, int out_features, Tensor? bias, "
+        "Tensor? input_scale, Tensor? input_zero_point, bool symmetric) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, float weight_offset) -> Tensor");
   m.def("rope_qk(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
@@ -50,6 +52,7 @@ QC_TORCH_LIBRARY_IMPL(QC_LIBRARY, CPU, m) {
   m.impl("dense_linear", &dense_linear);
   m.impl("int4_dense_linear", &int4_dense_linear);
   m.impl("w4a8_linear", &w4a8_linear);
+  m.impl("w8a8_linear", &w8a8_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_qk", &rope_qk);
   m.impl("silu_mul", &silu_mul);

@@ -37,6 +37,11 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                        const at::Tensor& zero_scales, int64_t group_size, int64_t out_features,
                        const OptionalTensor& bias);
 
+// w8a8.cpp
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight_sums,
+                       const at::Tensor& weight_scale, int64_t out_features, const OptionalTensor& bias,
+                       const OptionalTensor& input_scale, const OptionalTensor& input_zero_point, bool symmetric);
+
 // layer_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double weight_offset);
 std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
