@@ -37,6 +37,7 @@ import torch
 import compiler.formats.fp8  # noqa: F401  (registers the fp8 weight format)
 import compiler.formats.gguf_block  # noqa: F401  (registers the gguf weight format)
 import compiler.formats.int4  # noqa: F401  (registers the int4 weight format)
+import compiler.formats.int8  # noqa: F401  (registers the int8 weight format)
 from compiler.errors import ArtifactError, ConfigError
 from compiler.formats.fp8_kv import install_kv_quant
 from compiler.formats.qlinear import format_class, quantized_modules

@@ -10,7 +10,9 @@ Hugging Face's modules, one per projection. A set is fused when its members are 
 ``nn.Linear``, all ``Int4Linear`` with one layout (group size, zero point, width, dtype, bias), or
 all ``Fp8Linear`` that quantize their (shared) input the same way — one activation scheme, and the
 same input scale, input shift and outlier channels, as the fp8 pass calibrates them on the same
-input; their weight codes are kept and per-tensor weight scales become the rows' per-channel ones.
+input; their weight codes are kept and per-tensor weight scales become the rows' per-channel ones —
+or all ``Int8Linear`` of one scheme with the same static input scale and zero point (the int8 pass
+calibrates them on the same input).
 Anything else stays as it is, and ``fuse_projections`` says why.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn as nn
 
 from compiler.formats.fp8 import Fp8Linear
 from compiler.formats.int4 import Int4Linear
+from compiler.formats.int8 import Int8Linear
 from compiler.model.layers import MLP, Attention
 
 ATTENTION_SET = ("q_proj", "k_proj", "v_proj")
@@ -40,16 +43,21 @@ def _layout(m: nn.Module) -> tuple | None:
         fmt = {k: v for k, v in m.format.to_dict().items() if k not in ("out_features", "granularity")}
         return ("fp8", tuple(sorted(fmt.items())), m.weight.device, has_bias, None if m.bias is None else m.bias.dtype,
                 None if m.outlier_weight is None else m.outlier_weight.dtype)
+    if type(m) is Int8Linear:
+        fmt = {k: v for k, v in m.format.to_dict().items() if k != "out_features"}
+        return ("int8", tuple(sorted(fmt.items())), m.weight.device, has_bias, None if m.bias is None else m.bias.dtype)
     return None
 
 
-def _same_input_quantization(modules: list[Fp8Linear]) -> bool:
+def _same_input_quantization(modules: list[Fp8Linear] | list[Int8Linear]) -> bool:
     """Whether the members' calibrated input buffers agree, so quantizing the input once serves all."""
     first = modules[0]
     return all(a is None and b is None or a is not None and b is not None and torch.equal(a, b)
                for m in modules[1:] for a, b in ((first.input_scale, m.input_scale),
-                                                 (first.input_shift, m.input_shift),
-                                                 (first.outlier_index, m.outlier_index)))
+                                                 (getattr(first, "input_shift", None), getattr(m, "input_shift", None)),
+                                                 (getattr(first, "outlier_index", None), getattr(m, "outlier_index", None)),
+                                                 (getattr(first, "input_zero_point", None),
+                                                  getattr(m, "input_zero_point", None))))
 
 
 def concat_fp8(modules: list[Fp8Linear]) -> Fp8Linear:
@@ -69,6 +77,21 @@ def concat_fp8(modules: list[Fp8Linear]) -> Fp8Linear:
     return fused
 
 
+def concat_int8(modules: list[Int8Linear]) -> Int8Linear:
+    """One Int8Linear whose rows are the members' rows (codes and per-channel scales as they are)."""
+    first = modules[0]
+    fmt = replace(first.format, out_features=sum(m.out_features for m in modules))
+    fused = Int8Linear(fmt, first.bias is not None, torch.float32 if first.bias is None else first.bias.dtype)
+    fused = fused.to(first.weight.device)
+    for name in ("weight", "weight_scale", "bias"):
+        if getattr(first, name) is not None:
+            getattr(fused, name).copy_(torch.cat([getattr(m, name) for m in modules]))
+    for name in ("input_scale", "input_zero_point"):
+        if getattr(first, name) is not None:
+            getattr(fused, name).copy_(getattr(first, name))
+    return fused
+
+
 def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if parts[0] is None else torch.cat(parts)
 
@@ -82,10 +105,10 @@ def concat_linears(modules: list[nn.Module]) -> tuple[nn.Module | None, str | No
     if len(set(layouts)) > 1:
         return None, "its projections differ in format or layout"
     first = modules[0]
-    if layouts[0][0] == "fp8":
+    if layouts[0][0] in ("fp8", "int8"):
         if not _same_input_quantization(modules):
-            return None, "its fp8 projections quantize their input differently"
-        return concat_fp8(modules), None
+            return None, f"its {layouts[0][0]} projections quantize their input differently"
+        return (concat_fp8 if layouts[0][0] == "fp8" else concat_int8)(modules), None
     if layouts[0][0] == "float":
         fused = nn.Linear(first.in_features, sum(m.out_features for m in modules), bias=first.bias is not None,
                           device="meta")
