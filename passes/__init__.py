@@ -2,4 +2,5 @@
 import passes.awq  # noqa: F401
 import passes.distill  # noqa: F401
 import passes.fp8  # noqa: F401
+import passes.int8  # noqa: F401
 import passes.paged_kv  # noqa: F401

@@ -9,6 +9,8 @@ returns one ``InputStatistics`` per module:
     hessian      [K, K]    XᵀX / T, over every token (``gram="all"``) or a seeded token subsample
                            (``gram="sampled"``, a ``TokenSampler``); GPTQ and AWQ's searches
     token_amax   [T]       per-token max |x| (FP8's static scales)
+    channel_min, channel_max [K]  each channel's extremes over every token (SmoothQuant's
+                           migration, INT8's static per-tensor range)
     rows         [R, K]    every (T/R)-th input row, raw, for measuring a layer's output error
     shift, outliers        the channel mean and the r channels of largest second moment, when
                            ``centre`` / ``outlier_channels`` ask for them
@@ -62,6 +64,7 @@ class InputRequest:
     # each pass's recorded figures were made that way and depend on the last bits.
     gram: Literal["none", "all", "sampled"] = "none"
     token_amax: bool = False
+    channel_range: bool = False
     rows: int = 0  # this many rows, evenly strided over the calibration tokens
     centre: bool = False  # Gram and token abs-max of x less its channel mean
     outlier_channels: int = 0  # this many channels (largest second moment, centred) left out of token_amax
@@ -79,7 +82,8 @@ class InputRequest:
     @property
     def collects(self) -> bool:
         """Whether the forward has anything to record (else only the moments' shift and outliers)."""
-        return self.mean_abs or self.moments or self.gram != "none" or self.token_amax or self.rows > 0
+        return (self.mean_abs or self.moments or self.gram != "none" or self.token_amax or self.channel_range
+                or self.rows > 0)
 
 
 class TokenSampler:
@@ -107,6 +111,7 @@ class InputStatistics:
         self._gram = torch.zeros(in_features, in_features) if request.gram == "sampled" else None
         self._gram_tokens = 0
         self._amax: list[torch.Tensor] = []
+        self._channel_min = self._channel_max = None
         self._rows: list[torch.Tensor] = []
 
     def add(self, x: torch.Tensor, sample: torch.Tensor | None = None) -> None:
@@ -122,6 +127,10 @@ class InputStatistics:
             s1, s2 = xd.sum(0), xd.square().sum(0)
             self._sum = s1 if self._sum is None else self._sum + s1
             self._square_sum = s2 if self._square_sum is None else self._square_sum + s2
+        if r.channel_range and flat.shape[0]:
+            low, high = flat.float().aminmax(dim=0)
+            self._channel_min = low if self._channel_min is None else torch.minimum(self._channel_min, low)
+            self._channel_max = high if self._channel_max is None else torch.maximum(self._channel_max, high)
         if r.rows:
             self._rows.append(flat[:: self.row_stride].float().clone())
         if r.gram == "sampled":
@@ -165,6 +174,16 @@ class InputStatistics:
     def token_amax(self) -> torch.Tensor:
         """[T] float32."""
         return torch.cat(self._amax)
+
+    @property
+    def channel_min(self) -> torch.Tensor:
+        """[K] float32 (zeros when the module saw no token)."""
+        return self._channel_min if self._channel_min is not None else torch.zeros(self._k)
+
+    @property
+    def channel_max(self) -> torch.Tensor:
+        """[K] float32 (zeros when the module saw no token)."""
+        return self._channel_max if self._channel_max is not None else torch.zeros(self._k)
 
     @property
     def rows(self) -> torch.Tensor:

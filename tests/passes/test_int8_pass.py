@@ -1,0 +1,158 @@
+"""The int8 pass (SmoothQuant + GPTQ, ``passes/int8.py``) on tiny checkpoints: artifact round trip per
+scheme, SmoothQuant's fold and what it buys on an outlier channel, the strength chosen on the
+validation split, the static range, fusion in the engine, and its refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import passes  # noqa: F401  (registers the int8 pass)
+from compiler.errors import ConfigError, PipelineValidationError
+from compiler.formats.int8 import Int8Linear
+from compiler.io.artifact import load_artifact, read_manifest
+from compiler.io.load import load_checkpoint
+from compiler.model.fusion import fuse_projections
+from compiler.pipeline import PassContext, PipelineConfig
+from compiler.pipeline.calibration import InputRequest
+from compiler.pipeline.compile import compile_loaded
+from passes.int8 import Int8Options, Int8Pass, smooth
+
+CALIB = {"corpus": "pydoc", "samples": 4, "seq_len": 64, "seed": 0}
+
+
+def pipeline(**options) -> PipelineConfig:
+    return PipelineConfig.from_dict({"calibration": CALIB, "passes": [{"name": "int8", **options}]})
+
+
+@pytest.fixture
+def tiny(tiny_checkpoint_with_tokenizer):
+    path, _ = tiny_checkpoint_with_tokenizer("llama")
+    return lambda: load_checkpoint(path)
+
+
+def ids(n=2, t=24, vocab=300):
+    return torch.randint(3, vocab, (n, t), generator=torch.Generator().manual_seed(7))
+
+
+def rel(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+# Measured on the tiny random model (logits of random ids, unlike the calibration text GPTQ fits): 0.03-0.07.
+@pytest.mark.parametrize("options, bound", [
+    ({}, 0.1),
+    ({"activation_symmetric": False}, 0.1),
+    ({"activation_scheme": "static"}, 0.15),
+    ({"activation_scheme": "none"}, 0.06),
+    ({"smoothing": "all", "smoothing_strength": 0.5, "weight_rounding": "nearest"}, 0.1),
+])
+@torch.no_grad()
+def test_artifact_round_trip_gives_the_same_logits(tiny, tmp_path, options, bound):
+    float_logits = tiny().model(ids())
+    loaded = tiny()
+    result = compile_loaded(loaded, pipeline(**options), tmp_path / "a")
+    in_memory = loaded.model(ids())
+    reloaded = load_artifact(result.path)
+    assert torch.equal(reloaded.model(ids()), in_memory)
+    err = rel(in_memory, float_logits)
+    print(options, f"logits {err:.3f} from float")
+    assert err < bound
+    manifest = read_manifest(result.path)
+    report = manifest["passes"][-1]
+    converted = [r for r in report["layers"] if r["format"] == "int8"]
+    assert len(converted) == 14 and all(r["metrics"]["rel_error"] < 0.1 for r in converted)
+    assert {m["format"] for m in manifest["modules"].values()} == {"int8"}
+    assert all(isinstance(reloaded.model.get_submodule(n), Int8Linear) for n in manifest["modules"])
+    if options.get("activation_scheme") == "static":
+        assert all("input_scale" in r["metrics"] and "input_zero_point" in r["metrics"] for r in converted)
+
+
+@torch.no_grad()
+def test_smoothing_leaves_the_float_model_unchanged(tiny):
+    loaded = tiny()
+    model = loaded.model
+    before = model(ids())
+    op = Int8Pass(Int8Options(smoothing="all", smoothing_strength=0.7))
+    groups = op._groups(model)
+    context = PassContext(loaded.tokenizer, PipelineConfig.from_dict({"calibration": CALIB}).calibration)
+    ranges = op._statistics(model, context, {f"layers.{i}.{g.linears[0]}": InputRequest(channel_range=True)
+                                             for i, g in groups}, "ranges")
+    norm_before = model.layers[0].input_layernorm.weight.clone()
+    smooth(model, groups, ranges, 0.7)
+    assert not torch.equal(model.layers[0].input_layernorm.weight, norm_before)  # it did fold something
+    assert rel(model(ids()), before) < 1e-5
+
+
+@torch.no_grad()
+def test_smoothquant_moves_an_outlier_channel_into_the_weights(tiny, tmp_path):
+    """An input channel 40x larger than the rest sets every token's INT8 step; smoothing divides it
+    back down, so q/k/v's error with smoothing is far below that without."""
+    errors = {}
+    for smoothing in ("none", "norms"):
+        loaded = tiny()
+        for layer in loaded.model.layers:
+            layer.input_layernorm.weight[3] *= 40
+        result = compile_loaded(loaded, pipeline(smoothing=smoothing, smoothing_strength=0.5), tmp_path / smoothing)
+        rows = read_manifest(result.path)["passes"][-1]["layers"]
+        errors[smoothing] = max(r["metrics"]["rel_error"] for r in rows if r["module"].endswith("q_proj"))
+    print(errors)
+    assert errors["norms"] < errors["none"] / 3
+
+
+def test_the_strength_is_chosen_on_the_validation_split(tiny, tmp_path, monkeypatch):
+    import passes.int8 as int8_pass
+
+    regions = []
+    real = int8_pass.evaluation_windows
+
+    def spy(tokens, windows, eval_len):
+        regions.append(tokens)
+        return real(tokens, windows, eval_len)
+
+    monkeypatch.setattr(int8_pass, "evaluation_windows", spy)
+    loaded = tiny()
+    result = compile_loaded(loaded, pipeline(smoothing_grid=[0.2, 0.5, 0.8], validation_windows=2), tmp_path / "a")
+    metrics = read_manifest(result.path)["passes"][-1]["metrics"]
+    scores = metrics["validation_nll_by_strength"]
+    assert set(scores) == {"0.2", "0.5", "0.8"}
+    assert metrics["smoothing_strength"] == float(min(scores, key=scores.get))
+    from compiler.pipeline.evaluate import corpus_split
+    split = corpus_split(loaded.tokenizer, "pydoc")
+    assert len(regions) == 1 and torch.equal(regions[0], split.validation)
+
+
+@torch.no_grad()
+def test_the_engine_fuses_int8_projections_of_one_input(tiny, tmp_path):
+    for options in ({}, {"activation_scheme": "static"}):
+        loaded = tiny()
+        result = compile_loaded(loaded, pipeline(smoothing_strength=0.5, **options), tmp_path / str(len(options)))
+        model = load_artifact(result.path).model
+        before = model(ids())
+        outcome = fuse_projections(model)
+        assert len(outcome["fused"]) == 4, outcome
+        assert isinstance(model.layers[0].self_attn.qkv_proj, Int8Linear)
+        assert torch.equal(model(ids()), before)
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"smoothing_strength": 1.5}, "numbers in \\[0, 1\\]"),
+    ({"smoothing_grid": []}, "numbers in \\[0, 1\\]"),
+    ({"activation_scheme": "none", "activation_symmetric": False}, "needs INT8 activations"),
+    ({"activation_scheme": "sometimes"}, "activation_scheme"),
+    ({"validation_windows": 0}, "validation_windows"),
+    ({"modules_to_not_convert": ["lm_haed"]}, "lm_haed"),
+])
+def test_bad_options_are_refused_before_any_work(tiny, tmp_path, options, says):
+    with pytest.raises((ConfigError, PipelineValidationError, ValueError), match=says):
+        compile_loaded(tiny(), pipeline(**options), tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+
+
+def test_mixture_of_experts_is_refused_in_one_line(tmp_path):
+    from arch_helpers import make_arch_model
+
+    from compiler.model.config import ModelConfig
+
+    config = ModelConfig.from_hf(make_arch_model("qwen3-moe").config.to_dict())
+    with pytest.raises(ConfigError, match="does not handle Qwen3MoeForCausalLM.*fp8 or awq"):
+        Int8Pass(Int8Options()).check(config)
