@@ -84,6 +84,9 @@ def check_module(module: str, fmt: dict) -> str | None:
         return None if group % 32 == 0 else f"int4 group size {group}: GGUF blocks are 32 wide; use 32, 64, 128 or 256"
     if name == "fp8":
         return "fp8 weights: no GGUF block type holds FP8 codes and scales; compile with the awq pass (format = \"gguf:q4_k_m\" or \"int4\")"
+    if name == "int8":
+        return ("int8 weights with a float32 scale per row: GGUF's Q8_0 holds a float16 scale per 32 weights, so "
+                "they would be re-quantized; compile with the awq pass (format = \"gguf:q4_k_m\") or lower the float model")
     return f"weight format {name!r}, which GGUF cannot hold; compile with the awq pass (format = \"gguf:q4_k_m\")"
 
 

@@ -18,6 +18,7 @@ from compiler.quant.int4 import GROUP_SIZES
 SUPPORTED: dict[str, tuple[int, ...] | None] = {
     "int4": GROUP_SIZES,  # AWQ's packed INT4 (compiler/formats/int4.py), every group size its kernels take
     "fp8": None,  # E4M3/E5M2 weights, with or without FP8 activations (compiler/formats/fp8.py)
+    "int8": None,  # INT8 per-channel weights, W8A8 or W8A16 (compiler/formats/int8.py)
 }
 
 

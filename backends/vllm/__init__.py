@@ -20,6 +20,7 @@ def _lower(artifact: Path, out: Path, opts: VllmLowerOptions, force: bool) -> Pa
     return export_vllm(artifact, out, opts, force)
 
 
-register_target(TargetSpec("vllm", "vLLM: a compressed-tensors checkpoint (INT4 pack-quantized, FP8 float-quantized)",
+register_target(TargetSpec("vllm", "vLLM: a compressed-tensors checkpoint (INT4 pack-quantized, INT8 int-quantized, FP8 "
+                                   "float-quantized)",
                            check_module, check_plan))
 register_lowering("vllm", _lower, VllmLowerOptions)

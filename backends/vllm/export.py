@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from backends.vllm.schemes import FUSED_SETS, MODEL_TYPES, checkpoint_dtype, ct_scheme, kv_cache_scheme
-from backends.vllm.tensors import fp8_tensors, int4_tensors, kv_scale_tensors
+from backends.vllm.tensors import fp8_tensors, int4_tensors, int8_tensors, kv_scale_tensors
 from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
 from compiler.errors import ConfigError
 from compiler.formats.int4 import Int4Linear
@@ -91,11 +91,13 @@ def _check_static_input_scales(model: torch.nn.Module, modules: dict[str, dict],
         if group is None or fmt.get("activation_scheme") != "static":
             continue
         block = name[: -len(group[0])]  # check_fused made the siblings the same static scheme
-        scales = {float(model.get_submodule(block + n).input_scale) for n in group}
+        members = [model.get_submodule(block + n) for n in group]
+        scales = {(float(m.input_scale), None if getattr(m, "input_zero_point", None) is None
+                   else int(m.input_zero_point)) for m in members}
         if len(scales) > 1:
             raise ConfigError(f"{where}: target 'vllm' cannot run {block.rstrip('.')}'s "
                               f"{'/'.join(n.rpartition('.')[2] for n in group)} with different static input scales "
-                              f"{sorted(scales)} (vLLM keeps the largest for the fused layer); use activation_scheme = \"dynamic\"")
+                              f"{sorted(scales)} (vLLM keeps one range for the fused layer); use activation_scheme = \"dynamic\"")
 
 
 def _rope_parameters(theta: float, scaling: dict | None) -> dict:
@@ -213,7 +215,7 @@ def checkpoint_tensors(model: torch.nn.Module, manifest: dict, dtype: torch.dtyp
     """Every tensor of the checkpoint under its Hugging Face name (tied lm_head left out, as HF does),
     the float ones in ``dtype``; the FP8 formats' float32 scales stay float32 (``backends/vllm/tensors.py``)."""
     quantized = quantized_modules(model)
-    converters = {"int4": int4_tensors, "fp8": fp8_tensors}
+    converters = {"int4": int4_tensors, "int8": int8_tensors, "fp8": fp8_tensors}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         module, _, leaf = name.rpartition(".")
@@ -223,7 +225,8 @@ def checkpoint_tensors(model: torch.nn.Module, manifest: dict, dtype: torch.dtyp
     for name, module in quantized.items():
         fmt = manifest["modules"][name]
         for leaf, tensor in converters[fmt["format"]](module, fmt).items():
-            cast = (fmt["format"] == "int4" and tensor.is_floating_point()) or leaf == "bias"
+            weight_only_int8 = fmt["format"] == "int8" and fmt["activation_scheme"] == "none"
+            cast = ((fmt["format"] == "int4" or weight_only_int8) and tensor.is_floating_point()) or leaf == "bias"
             out[f"{hf_name(name)}.{leaf}"] = (tensor.to(dtype) if cast else tensor).contiguous()
     if manifest.get("kv_cache"):
         out |= {hf_name(k): v for k, v in kv_scale_tensors(manifest["kv_cache"]).items()}

@@ -177,7 +177,8 @@ def host_refusal(config: dict, host: VllmHost) -> str | None:
     """Why vLLM on ``host`` cannot serve the checkpoint of ``config`` (its config.json), and what to do; None when it can."""
     if has_int4_layers(config) and not host.w4a16:
         return (f"INT4 layers, and vLLM's CPU build for this host ({host.build}) has no W4A16 kernel (cpu_gemm_wna16, "
-                f"in its AVX-512 builds only); {QCOMPILE_ENGINE}, or compile the model as FP8 or float for vLLM")
+                f"in its AVX-512 builds only); {QCOMPILE_ENGINE}, or compile the model as INT8 W8A8 "
+                "(examples/int8_w8a8.toml), FP8 or float for vLLM")
     if has_fp8_kv_cache(config) and not host.fp8_kv_cache:
         return ("an FP8 KV cache, which vLLM's CPU attention takes only on x86 with AVX-512 or AMX, and this host has "
                 f"neither; compile without kv_cache_dtype and export again, or {QCOMPILE_ENGINE}")

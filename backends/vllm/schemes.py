@@ -10,6 +10,14 @@ the ``weights`` / ``input_activations`` quantization args and the on-disk ``form
     fp8, dynamic                -> float-quantized   + input_activations float 8-bit, per token, dynamic
     fp8, static                 -> float-quantized   + input_activations float 8-bit, per tensor, static
                                                      (the calibrated ``input_scale``)
+    int8, dynamic               -> int-quantized     weights int 8-bit, per channel, symmetric;
+                                                     + input_activations int 8-bit, per token, dynamic,
+                                                     symmetric or not (vLLM's azp)
+    int8, static                -> int-quantized     + input_activations int 8-bit, per tensor, static
+                                                     (the calibrated ``input_scale`` / ``input_zero_point``)
+    int8, activation_scheme none -> pack-quantized   weights int 8-bit per channel, no activations (W8A16;
+                                                     vLLM runs it on GPUs: its CPU build's weight-only
+                                                     kernel, CPUWNA16, takes 4-bit weights only)
     FP8 KV cache (manifest)     -> kv_cache_scheme   float 8-bit, per tensor, static (k_scale / v_scale)
 
 ``check_module`` says, for one manifest entry, why no stock vLLM kernel runs it (or None);
@@ -64,10 +72,27 @@ def _fp8_input_args(fmt: dict) -> dict | None:
             "group_size": None, "dynamic": dynamic, "actorder": None, "block_structure": None}
 
 
+INT8_WEIGHT_ARGS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None,
+                    "dynamic": False, "actorder": None, "block_structure": None}
+
+
+def _int8_scheme(fmt: dict) -> dict:
+    scheme = fmt["activation_scheme"]
+    if scheme == "none":
+        return {"format": "pack-quantized", "weights": INT8_WEIGHT_ARGS, "input_activations": None}
+    dynamic = scheme == "dynamic"
+    inputs = {"num_bits": 8, "type": "int", "symmetric": fmt["activation_symmetric"],
+              "strategy": "token" if dynamic else "tensor", "group_size": None, "dynamic": dynamic, "actorder": None,
+              "block_structure": None}
+    return {"format": "int-quantized", "weights": INT8_WEIGHT_ARGS, "input_activations": inputs}
+
+
 def ct_scheme(fmt: dict) -> dict:
     """The CT scheme of a (checked) module entry: ``{"format", "weights", "input_activations"}``."""
     if fmt["format"] == "int4":
         return {"format": "pack-quantized", "weights": _int4_args(fmt), "input_activations": None}
+    if fmt["format"] == "int8":
+        return _int8_scheme(fmt)
     inputs = _fp8_input_args(fmt)
     return {"format": "naive-quantized" if inputs is None else "float-quantized",
             "weights": _fp8_weight_args(fmt), "input_activations": inputs}
@@ -80,7 +105,10 @@ def check_module(module: str, fmt: dict) -> str | None:
         return _check_int4(fmt) or (_check_int4_expert(fmt) if EXPERT.fullmatch(module) else None)
     if name == "fp8":
         return _check_fp8(module, fmt)
-    return f"weight format {name!r}, which has no compressed-tensors scheme (vLLM runs float, int4 and fp8 layers)"
+    if name == "int8":
+        return None
+    return (f"weight format {name!r}, which has no compressed-tensors scheme (vLLM runs float, int4, int8 and fp8 "
+            "layers)")
 
 
 def _check_int4(fmt: dict) -> str | None:
@@ -182,6 +210,8 @@ def _describe(fmt: dict | None) -> str:
         return "float"
     if fmt["format"] == "int4":
         return f"int4 g{fmt['group_size']}{'' if fmt['zero_point'] else ' symmetric'}"
+    if fmt["format"] == "int8":
+        return f"int8 {fmt['activation_scheme']}{'' if fmt['activation_symmetric'] else ' asymmetric'}"
     return f"fp8 {fmt['granularity']} {fmt['activation_scheme']}"
 
 

@@ -24,6 +24,16 @@ FP8 (``Fp8Linear``, compiler/formats/fp8.py) -> ``float-quantized`` / ``naive-qu
     input_scale   float32 [1]            static activations only
     bias          model dtype [N]
 
+INT8 (``Int8Linear``, compiler/formats/int8.py) -> ``int-quantized`` (W8A8) / ``pack-quantized`` (W8A16):
+
+    weight             int8 [N, K]       our codes, unchanged (W8A8)
+    weight_packed      int32 [N, K / 4]  W8A16: the codes + 128 as bytes, four to a little-endian word
+    weight_shape       int64 [2] = [N, K] W8A16
+    weight_scale       float32 [N, 1]    our scales (W8A16: in the model dtype, as vLLM's WNA16 layers hold them)
+    input_scale        float32 [1]       static activations only
+    input_zero_point   int8 [1]          static asymmetric activations only
+    bias               model dtype [N]
+
 FP8 KV cache -> ``layers.i.self_attn.k_scale`` / ``v_scale`` float32 [1] (vLLM maps them onto
 its attention layers).
 """
@@ -85,6 +95,27 @@ def fp8_tensors(module, fmt: dict) -> dict[str, torch.Tensor]:
         out["input_scale"] = buffers["input_scale"].float().reshape(1)
     if "bias" in buffers:
         out["bias"] = buffers["bias"]
+    return out
+
+
+def int8_tensors(module, fmt: dict) -> dict[str, torch.Tensor]:
+    """An ``Int8Linear``'s buffers as int-quantized (W8A8) or pack-quantized (W8A16) tensors."""
+    n, k = fmt["out_features"], fmt["in_features"]
+    out = {"weight_scale": module.weight_scale.float().reshape(n, 1)}
+    if fmt["activation_scheme"] == "none":
+        if k % 4:
+            raise ArtifactError(f"int8 layer with {k} input features has no pack-quantized layout (4 codes per int32); "
+                                "keep it in float (modules_to_not_convert)")
+        unsigned = (module.weight.to(torch.int16) + 128).to(torch.uint8)
+        out |= {"weight_packed": _bytes_to_int32(unsigned), "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+    else:
+        out["weight"] = module.weight
+    if module.input_scale is not None:
+        out["input_scale"] = module.input_scale.float().reshape(1)
+    if module.input_zero_point is not None:
+        out["input_zero_point"] = module.input_zero_point.to(torch.int8).reshape(1)
+    if module.bias is not None:
+        out["bias"] = module.bias
     return out
 
 

@@ -167,6 +167,46 @@ def test_fp8_static_and_weight_only(checkpoint, tmp_path, activations, fmt, inpu
     assert ("model.layers.0.self_attn.q_proj.input_scale" in read_tensors(out)) == input_scale
 
 
+@pytest.mark.parametrize("options, inputs", [
+    ({}, {"strategy": "token", "dynamic": True, "symmetric": True}),
+    ({"activation_symmetric": False}, {"strategy": "token", "dynamic": True, "symmetric": False}),
+    ({"activation_scheme": "static"}, {"strategy": "tensor", "dynamic": False, "symmetric": False}),
+    ({"activation_scheme": "static", "activation_symmetric": True}, {"strategy": "tensor", "dynamic": False, "symmetric": True}),
+])
+def test_int8_w8a8_checkpoint_holds_the_artifacts_codes(checkpoint, tmp_path, options, inputs):
+    pipeline = {"passes": [{"name": "int8", "smoothing_strength": 0.5, **options}]}
+    artifact = compile_for(checkpoint, pipeline, tmp_path / "artifact")
+    out = lower(artifact, "vllm", tmp_path / "vllm")
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    (group,) = q["config_groups"].values()
+    assert group["format"] == q["format"] == "int-quantized"
+    assert group["weights"] | {} == {**group["weights"], "type": "int", "num_bits": 8, "strategy": "channel",
+                                     "symmetric": True}
+    assert group["input_activations"] | {} == {**group["input_activations"], "type": "int", "num_bits": 8, **inputs}
+    tensors = read_tensors(out)
+    for name, module in quantized_modules(load_artifact(artifact).model).items():
+        assert torch.equal(tensors[f"model.{name}.weight"], module.weight)
+        assert torch.equal(tensors[f"model.{name}.weight_scale"], module.weight_scale[:, None])
+        assert (f"model.{name}.input_scale" in tensors) == (options.get("activation_scheme") == "static")
+        if module.input_zero_point is not None:
+            zero_point = tensors[f"model.{name}.input_zero_point"]
+            assert zero_point.dtype == torch.int8 and zero_point.tolist() == module.input_zero_point.tolist()
+
+
+def test_int8_weight_only_is_pack_quantized_8_bit(checkpoint, tmp_path):
+    artifact = compile_for(checkpoint, {"passes": [{"name": "int8", "activation_scheme": "none"}]}, tmp_path / "artifact")
+    out = lower(artifact, "vllm", tmp_path / "vllm")
+    (group,) = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"].values()
+    assert group["format"] == "pack-quantized" and group["input_activations"] is None
+    assert group["weights"]["num_bits"] == 8 and group["weights"]["strategy"] == "channel"
+    tensors = read_tensors(out)
+    for name, module in quantized_modules(load_artifact(artifact).model).items():
+        words = tensors[f"model.{name}.weight_packed"].to(torch.int64) & 0xFFFFFFFF
+        codes = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1).reshape(module.out_features, -1)
+        assert torch.equal(codes - 128, module.weight.to(torch.int64))  # compressed-tensors' offset-binary bytes
+        assert tensors[f"model.{name}.weight_shape"].tolist() == [module.out_features, module.in_features]
+
+
 def test_a_serving_plan_over_the_fp8_kv_cache_exports(checkpoint, tmp_path):
     """The plan stores K/V as the FP8 cache declares, which vLLM runs (kv_cache_scheme)."""
     pipeline = {"passes": [*FP8_KV["passes"], {"name": "paged_kv", "block_size": 16}]}

@@ -1,7 +1,7 @@
 """Against the real vLLM (the CPU wheel in .venv-vllm, installed by scripts/setup_vllm.sh).
 
-Tiny Llama and Qwen2 checkpoints (random weights, the byte-level tokenizer) are compiled as INT4
-and FP8, lowered with ``--target vllm`` and served by vLLM, one server per model (each start
+Tiny Llama and Qwen2 checkpoints (random weights, the byte-level tokenizer) are compiled as INT4,
+INT8 W8A8 (dynamic symmetric and asymmetric, static asymmetric) and FP8, lowered with ``--target vllm`` and served by vLLM, one server per model (each start
 takes one to three minutes on 2 cores; ``--enforce-eager`` skips torch.compile's warm-up). vLLM's
 greedy tokens are compared with qcompile's engine on the same artifact, its prompt
 log-probabilities with the artifact's own, and compressed-tensors' decompressor with the
@@ -10,9 +10,9 @@ artifact's dequantized weights. Not skipped without vLLM: a missing install is a
 Where vLLM's build on this host has no W4A16 kernel (its AVX2 build: an AVX2-only CPU, or
 QCOMPILE_VLLM_PYTHON=tests/doubles/vllm_avx2_host/python), each INT4 export is checked to reach
 vLLM's CPU W4A16 kernel and fail there only (started past qcompile's up-front refusal, which
-test_vllm_host.py tests); the decompressor still checks its contents. The ``qcompile serve`` and
-``bench`` chain serves the FP8 export with an FP8 KV cache where vLLM's build takes one (AVX-512 or
-AMX), the FP8 export without it elsewhere.
+test_vllm_host.py tests); the decompressor still checks its contents. INT8 W8A8 runs on every
+build (oneDNN's int8 GEMM). The ``qcompile serve`` and ``bench`` chain serves the INT8 export, and
+the FP8 export with an FP8 KV cache where vLLM's build takes one (AVX-512 or AMX), without it elsewhere.
 
 vLLM's CPU kernels round in two places as qcompile does not (``vllm_cpu_reference``): with an FP8
 KV cache its tokens are therefore compared with the artifact's own greedy decode under those
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_helpers import (FP8, FP8_KV, INT4, ROOT, VLLM_PYTHON, assert_decompresses_to_the_artifact, assert_vllm_refuses_int4,
+from vllm_helpers import (FP8, FP8_KV, INT4, INT8, INT8_ASYMMETRIC, INT8_STATIC, ROOT, VLLM_PYTHON, assert_decompresses_to_the_artifact, assert_vllm_refuses_int4,
                           compare_with_engine, compile_for, save_checkpoint, start_server, vllm_here)
 
 from compiler.deploy.lowering import lower
@@ -40,7 +40,9 @@ pytestmark = pytest.mark.integration
 # llama-int4-f32: a float32 artifact with INT4 layers, which the export writes in float16
 MODELS = {"llama-int4": ("llama", INT4), "qwen2-int4": ("qwen2", INT4), "llama-fp8": ("llama", FP8),
           "qwen2-fp8": ("qwen2", FP8), "llama-fp8-kv": ("llama", FP8_KV),
-          "llama-int4-f32": ("llama", {**INT4, "model": {"dtype": "float32"}})}
+          "llama-int4-f32": ("llama", {**INT4, "model": {"dtype": "float32"}}), "llama-int8": ("llama", INT8),
+          "qwen2-int8-asymmetric": ("qwen2", INT8_ASYMMETRIC), "llama-int8-static": ("llama", INT8_STATIC)}
+KERNELS = {"int4": "CPUWNA16LinearKernel", "int8": "CompressedTensorsW8A8Int8", "fp8": "CompressedTensorsW8A8Fp8"}
 
 
 def checkpoint_dtype(checkpoint: Path) -> str:
@@ -61,7 +63,8 @@ def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["llama-int4", "qwen2-int4", "llama-fp8", "qwen2-fp8", "llama-int4-f32"])
+@pytest.mark.parametrize("name", ["llama-int4", "qwen2-int4", "llama-fp8", "qwen2-fp8", "llama-int4-f32", "llama-int8",
+                                  "qwen2-int8-asymmetric", "llama-int8-static"])
 def test_vllm_runs_the_export_as_the_engine_does(exported, name, tmp_path):
     artifact, checkpoint = exported[name]
     if "int4" in name and not vllm_here().w4a16:
@@ -71,7 +74,7 @@ def test_vllm_runs_the_export_as_the_engine_does(exported, name, tmp_path):
     try:
         result = compare_with_engine(artifact, server.url, server.model, checkpoint_dtype(checkpoint))
         log = (tmp_path / "vllm.log").read_text(errors="replace")
-        kernel = "CPUWNA16LinearKernel" if "int4" in name else "CompressedTensorsW8A8Fp8"
+        kernel = KERNELS[name.split("-")[1]]
         assert kernel in log, f"vLLM did not run its {kernel}"
         print(name, result)
     finally:
@@ -83,12 +86,14 @@ def test_compressed_tensors_decompressor_gives_the_artifacts_weights(exported, t
         assert_decompresses_to_the_artifact(artifact, checkpoint, tmp_path / f"{name}.safetensors")
 
 
-def test_qcompile_serve_engine_vllm_and_bench_openai(exported, tmp_path):
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_qcompile_serve_engine_vllm_and_bench_openai(exported, tmp_path, kind):
     """``qcompile serve CHECKPOINT --engine vllm``: ready line, greedy parity, a bench run, a clean SIGTERM stop;
-    on an export vLLM's build on this host serves (an FP8 KV cache needs AVX-512 or AMX)."""
+    the INT8 export (every vLLM build) and the FP8 one (with an FP8 KV cache where the build takes it: AVX-512 or AMX)."""
     from backends.triton.runtime import free_port
 
-    artifact, checkpoint = exported["llama-fp8-kv" if vllm_here().fp8_kv_cache else "llama-fp8"]
+    fp8 = "llama-fp8-kv" if vllm_here().fp8_kv_cache else "llama-fp8"
+    artifact, checkpoint = exported["llama-int8" if kind == "int8" else fp8]
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     serve = subprocess.Popen([sys.executable, "-m", "qcompile", "serve", str(checkpoint), "--engine", "vllm",

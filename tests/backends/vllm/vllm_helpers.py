@@ -44,6 +44,11 @@ INT4 = {"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 
 # FP8 W8A8 (per-channel weights, dynamic per-token activations), and the same with an FP8 KV cache
 # (one scale per layer). max_layer_error is raised so that no layer of the random model falls back to float.
 FP8 = {"passes": [{"name": "fp8", "input_shift": False, "max_layer_error": 10.0}]}
+# INT8 W8A8 (SmoothQuant at a fixed strength, GPTQ, per-channel weights): dynamic symmetric per-token
+# activations, dynamic asymmetric ones (vLLM's azp), and static asymmetric per-tensor ones.
+INT8 = {"passes": [{"name": "int8", "smoothing_strength": 0.5}]}
+INT8_ASYMMETRIC = {"passes": [{**INT8["passes"][0], "activation_symmetric": False}]}
+INT8_STATIC = {"passes": [{**INT8["passes"][0], "activation_scheme": "static"}]}
 FP8_KV = {"passes": [{**FP8["passes"][0], "kv_cache_dtype": "float8_e4m3fn", "kv_cache_granularity": "per_tensor"}]}
 
 
