@@ -1,4 +1,4 @@
-"""``qcompile lower --target ascend``: ATC-ready ONNX, msModelSlim weights, build_om.sh, the .om.
+"""``qcompile lower --target ascend``: ATC-ready ONNX, build_om.sh, the .om, and the vllm-ascend directory.
 
 Order matters:
   0. refuse what the .om would not run as the artifact declares it: an FP8 KV cache (ATC compiles
@@ -7,8 +7,10 @@ Order matters:
   1. build the fp16 graphs in memory (static batch 1; prefill length as ATC gears; every
      quantized layer as a MatMul of its dequantized weight, since ATC takes no MatMulNBits);
   2. check every node against ATC's operator table — before anything is written;
-  3. write the bundle atomically: graphs, bundle.json, build_om.sh, and for INT4 artifacts the
-     msModelSlim W4A16 weights that MindIE / vllm-ascend load;
+  3. write the bundle atomically: graphs, bundle.json, build_om.sh, and ``vllm-ascend/``: the
+     artifact in msModelSlim's AscendV1 layout, which vllm-ascend serves (its INT8 layers as
+     W8A8 / W8A8_DYNAMIC / W8A16; float models all FLOAT). Artifacts with layers of no AscendV1
+     form (INT4, FP8, GGUF) or experts get none, and a note says why;
   4. run build_om.sh when ATC is available, else stop with ``AtcNotFound`` (exit 3).
 """
 from __future__ import annotations
@@ -25,7 +27,12 @@ from backends.ascend.atc import (
     find_atc,
     run_atc,
 )
-from backends.ascend.msmodelslim import export_w4a16
+from backends.ascend.msmodelslim import (
+    DIRECTORY,
+    ascend_v1_skip,
+    check_ascend_v1,
+    prepare_ascend_v1,
+)
 from backends.ascend.ops import require_supported
 from backends.onnx.export import (
     OnnxExportOptions,
@@ -36,7 +43,6 @@ from backends.onnx.export import (
 )
 from backends.onnx.kv_rounding import kv_cache_export
 from compiler.errors import ConfigError
-from compiler.formats.int4 import Int4Linear
 from compiler.formats.qlinear import quantized_modules
 from compiler.io.atomic import atomic_directory_write
 from compiler.io.types import LoadedModel
@@ -44,12 +50,13 @@ from compiler.io.types import LoadedModel
 
 @dataclass
 class AscendLowerResult:
-    """What was written; ``om_files`` is empty when ATC did not run."""
+    """What was written; ``om_files`` is empty when ATC did not run; ``vllm_ascend`` is the AscendV1
+    directory, None when the artifact has no AscendV1 form (the notes say why)."""
 
     bundle: Path
     notes: list[str] = field(default_factory=list)
     om_files: list[Path] = field(default_factory=list)
-    msmodelslim: bool = False
+    vllm_ascend: Path | None = None
 
 
 def refuse_fp8_kv_cache(loaded: LoadedModel) -> None:
@@ -66,6 +73,9 @@ def lower_ascend(loaded: LoadedModel, out: str | Path, atc_opts: AtcOptions, max
     out = Path(out)
     refuse_fp8_kv_cache(loaded)
     lowered_entries(loaded, "ascend", {"float16"})
+    skip = ascend_v1_skip(loaded)
+    if skip is None:
+        check_ascend_v1(loaded)
     atc_opts.validate(max_len)
     atc_path = find_atc(atc)
     export = OnnxExportOptions(max_len=max_len, dtype="float16", batch=1, dequantize=True)
@@ -74,12 +84,16 @@ def lower_ascend(loaded: LoadedModel, out: str | Path, atc_opts: AtcOptions, max
     require_supported(graphs)
 
     quantized = quantized_modules(loaded.model)
-    int4 = any(isinstance(m, Int4Linear) for m in quantized.values())
-    result = AscendLowerResult(out, msmodelslim=int4)
+    result = AscendLowerResult(out, vllm_ascend=None if skip else out / DIRECTORY)
     if quantized:
         result.notes.append(f"{len(quantized)} quantized layer(s) are fp16 in the .om, built from their dequantized weights")
-    if int4:
-        result.notes.append("INT4 weights also written in msModelSlim W4A16 layout for MindIE / vllm-ascend")
+    if skip:
+        result.notes.append(f"no {DIRECTORY}/ directory: {skip}")
+    else:
+        v1 = prepare_ascend_v1(loaded)
+        result.notes.append(f"{DIRECTORY}/: the artifact in msModelSlim's AscendV1 layout "
+                            f"({v1.description['model_quant_type']}) for vllm-ascend: vllm serve {out / DIRECTORY}")
+        result.notes += v1.notes
     extras = {"soc": atc_opts.soc, "buckets": list(atc_opts.buckets), "atc": asdict(atc_opts), "notes": result.notes}
     info = bundle_info(loaded, export, "ascend", extras)
 
@@ -87,8 +101,8 @@ def lower_ascend(loaded: LoadedModel, out: str | Path, atc_opts: AtcOptions, max
         write_bundle_files(tmp, loaded, (prefill, decode), info)
         (tmp / SCRIPT).write_text(build_script(atc_opts))
         os.chmod(tmp / SCRIPT, 0o755)
-        if int4:
-            export_w4a16(loaded.model, tmp)
+        if skip is None:
+            v1.write(tmp / DIRECTORY)
 
     atomic_directory_write(out, write, force)
     if atc_path is None:

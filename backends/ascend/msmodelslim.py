@@ -1,119 +1,382 @@
-"""INT4 weights in msModelSlim's W4A16 per-group layout (what MindIE and vllm-ascend load).
+"""The directory vllm-ascend loads: msModelSlim's "AscendV1" layout, written by ``qcompile lower
+--target ascend`` as ``vllm-ascend/`` beside the ATC bundle (``vllm serve D/vllm-ascend`` on a host
+with vllm-ascend; it detects the layout by ``quant_model_description.json``).
 
-    quant_model_weight_w4a16.safetensors
-      model.layers.N.….weight         int8  [N, K]          signed 4-bit codes q - 8 in [-8, 7],
-                                                            one per int8 (msModelSlim's export
-                                                            layout; loaders pack them on the NPU)
-      model.layers.N.….weight_scale   float32 [N, K // g]   per-group scale
-      model.layers.N.….weight_offset  float32 [N, K // g]   per-group offset, so that
-                                                            w = (code + offset) * scale
-                                                            (the antiquant convention of
-                                                            npu_weight_quant_batchmatmul)
-      model.layers.N.….bias           float [N]             when the layer has one
-      every other tensor              float, its HF name    embeddings, norms, float layers
-    quant_model_description_w4a16.json
-      {"model_quant_type": "W4A16", "group_size": g, "<tensor name>": "W4A16" | "FLOAT", …}
+What it follows (checked against the source; tests/backends/ascend/test_ascend_v1.py mirrors it):
 
-With our zero point z (uint8, 0..15): code = q - 8 and offset = 8 - z, since
-(q - z) * s = ((q - 8) + (8 - z)) * s. The group size must divide in_features (no padding).
-Layers in other quantized formats (e.g. FP8) have no W4A16 form and are written as their
-dequantized float weight, tagged FLOAT.
+* vllm-ascend 0.23.0 (the PyPI wheel) and its main branch at 182b75ea:
+  ``vllm_ascend/quantization/utils.py`` (detection: ``quant_model_description.json`` in the model
+  directory), ``vllm_ascend/quantization/modelslim_config.py`` (``MODELSLIM_CONFIG_FILENAME``; a
+  layer's type is ``description["<prefix>.weight"]``, ``FLOAT`` = unquantized, the shards of a fused
+  q/k/v or gate/up must agree; ``lm_head.weight`` and ``model.embed_tokens.weight`` must be
+  listed), ``vllm_ascend/quantization/methods/{w8a8_static,w8a8_dynamic,w8a16}.py`` (the
+  parameters each scheme creates, below; every float one in the model dtype ``dt``);
+* msModelSlim's AscendV1 saver (``msmodelslim/core/quant_service/modelslim_v1/save/ascendv1.py``
+  and ``save/utils/deqscale.py``, Ascend/msmodelslim at 030d6ea4): the description's fixed keys,
+  the file names, ``deq_scale``, ``quant_bias`` and ``deqscale2int64``.
+
+Files::
+
+    config.json                       the Hugging Face config (backends/vllm/export.py's hf_config),
+                                      without quantization_config
+    tokenizer files                   as the artifact's tokenizer saves them (when it has one)
+    quant_model_description.json      {"version": "1.0.0", "model_quant_type": T, "metadata": {},
+                                       "group_size": 0, "optional": {}, "<tensor>": its type, ...}
+    quant_model_weights.safetensors   (or quant_model_weights-0000i-of-0000n.safetensors and
+                                      quant_model_weights.safetensors.index.json, msModelSlim's
+                                      4 GiB parts; vLLM reads every *.safetensors of the directory)
+
+Per ``Int8Linear`` (HF prefix P, N outputs, K inputs):
+
+    W8A8_DYNAMIC (dynamic, symmetric per token)
+      P.weight        int8 [N, K]    the artifact's codes
+      P.weight_scale  dt   [N, 1]    the artifact's float32 scales, rounded to dt
+      P.weight_offset dt   [N, 1]    zeros
+    W8A8 (static per tensor)
+      P.weight, P.weight_scale, P.weight_offset as above
+      P.input_scale   dt   [1]       the calibrated scale s, rounded to dt (s')
+      P.input_offset  int8 [1]       the zero point z (0 when symmetric): the NPU quantizes
+                                     q = clamp(round(x / s') + z, -128, 127) (npu_quantize)
+      P.deq_scale     [N]            float32 s' * weight_scale (bfloat16 models); float16 models: its
+                                     float32 bits as int64 (msModelSlim's deqscale2int64)
+      P.quant_bias    int32 [N]      round(bias / deq_scale - z * sum_k weight[n, k]) (msModelSlim's
+                                     formula; npu_quant_matmul computes (q @ weight.T + quant_bias) *
+                                     deq_scale, so the zero point term is exact and a float bias is
+                                     rounded to a multiple of deq_scale: the notes say by how much)
+    W8A16 (activation_scheme "none")
+      P.weight, P.weight_scale, P.weight_offset as above (w = (weight + offset) * scale)
+    P.bias            dt [N], FLOAT, when the layer has one (W8A8 folds it into quant_bias as well)
+
+Every other tensor is FLOAT under its Hugging Face name (embeddings, norms, lm_head — listed even
+when tied to the embedding, whose tensor vLLM then skips — and float layers).
+
+Refused before anything is written (``check_ascend_v1``, one line each, with what to compile
+instead): dynamic asymmetric activations (vllm-ascend's W8A8_DYNAMIC is symmetric per token), a
+fused q/k/v or gate/up whose layers disagree (scheme, or static scale and zero point: vllm-ascend
+keeps one per fused layer), a static zero point outside int8, and a KV
+cache entry (AscendV1's ``kv_cache_type`` "C8" is an INT8 cache with its own scales, which
+qcompile does not produce). Formats with no AscendV1 form — INT4 (vllm-ascend has W4A16 for MoE
+experts only), FP8, GGUF — and mixture-of-experts models get no directory; ``ascend_v1_skip`` says
+why and the lowering writes that in its notes (the ATC bundle is written all the same).
+
+A float32 artifact is written in bfloat16 (``serving_dtype``: the NPU's INT8 matmuls return float16
+or bfloat16, and W8A8 has no float32 deq_scale): codes unchanged, its float tensors rounded, by as
+much as the notes say. What vllm-ascend computes differs from the artifact only where its parameters or kernels force it,
+and ``prepare_ascend_v1``'s notes (printed by ``qcompile lower``, kept in bundle.json) say by how much:
+it holds weight and static input scales in the model dtype (the artifact's are float32) and
+quantizes by the input scale's reciprocal, also in the model dtype (exact when the scale is a power
+of two); W8A8 folds a float bias into the integer quant_bias (within half a deq_scale step);
+npu_quantize clamps to -128..127 where a symmetric artifact clamps to -127..127 (inputs beyond the
+calibrated range), and rounds x / s + z as one where the artifact rounds x / s and adds z (one step
+apart exactly half-way, with an odd z). Codes, integer sums and the zero-point term are the
+artifact's (tests/backends/ascend/test_ascend_v1.py computes the NPU's arithmetic from the files).
 """
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from compiler.errors import ArtifactError, ConfigError
-from compiler.formats.int4 import Int4Linear
-from compiler.formats.qlinear import QuantizedLinear
-from compiler.model.transformer import Transformer
-from compiler.quant.int4 import SYMMETRIC_ZERO
+from compiler.errors import ConfigError
+from compiler.formats.int8 import Int8Linear
+from compiler.formats.qlinear import quantized_modules
+from compiler.io.types import LoadedModel
 
-WEIGHT_FILE = "quant_model_weight_w4a16.safetensors"
-DESCRIPTION_FILE = "quant_model_description_w4a16.json"
-QUANT_TYPE = "W4A16"
+DIRECTORY = "vllm-ascend"
+DESCRIPTION_FILE = "quant_model_description.json"  # vllm-ascend's MODELSLIM_CONFIG_FILENAME
+WEIGHTS_PREFIX = "quant_model_weights"  # msModelSlim's ASCENDV1_SAFETENSORS_NAME without ".safetensors"
+WEIGHTS_FILE = f"{WEIGHTS_PREFIX}.safetensors"
+INDEX_FILE = f"{WEIGHTS_PREFIX}.safetensors.index.json"
+VERSION = "1.0.0"
+PART_BYTES = 4 << 30  # msModelSlim's default part_file_size (4 GB)
+FLOAT = "FLOAT"
+W8A8, W8A8_DYNAMIC, W8A16 = "W8A8", "W8A8_DYNAMIC", "W8A16"
+# msModelSlim's QUANT_TYPE_PRIORITY (ascendv1.py): model_quant_type is the highest one present.
+PRIORITY = (FLOAT, W8A16, W8A8_DYNAMIC, W8A8)
+# The layers vLLM fuses into one (its Llama/Qwen packed_modules_mapping: qkv_proj, gate_up_proj).
+FUSED_SETS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+HALF_DTYPES = ("bfloat16", "float16")
 
 
 def hf_name(name: str) -> str:
     """Our module names are Hugging Face's without the ``model.`` prefix (lm_head has none)."""
-    return name if name.startswith("lm_head") else f"model.{name}"
+    return name if name == "lm_head" or name.startswith("lm_head.") else f"model.{name}"
 
 
-def w4a16_tensors(module: Int4Linear) -> dict[str, torch.Tensor]:
-    if module.in_features % module.group_size:
-        raise ConfigError(f"msModelSlim W4A16 needs the group size ({module.group_size}) to divide in_features "
-                          f"({module.in_features}); recompile with a group size that divides it")
-    codes, zeros = module.codes()
-    return {"weight": (codes.to(torch.int16) - SYMMETRIC_ZERO).to(torch.int8).contiguous(),
-            "weight_scale": module.scales.float().contiguous(),
-            "weight_offset": (SYMMETRIC_ZERO - zeros.to(torch.float32)).contiguous()}
+def quant_type(module: Int8Linear) -> str:
+    fmt = module.format
+    if fmt.activation_scheme == "none":
+        return W8A16
+    return W8A8 if fmt.static else W8A8_DYNAMIC
 
 
-def export_w4a16(model: Transformer, directory: Path) -> dict:
-    """Write both files into ``directory``; returns the description."""
+def ascend_v1_skip(loaded: LoadedModel) -> str | None:
+    """Why ``loaded`` has no AscendV1 form at all (the ATC bundle is still written), or None."""
+    from backends.vllm.schemes import MODEL_TYPES
+
+    config = loaded.model.config
+    if config.architecture not in MODEL_TYPES:
+        return f"{config.architecture} has no Hugging Face config this export writes ({', '.join(MODEL_TYPES)})"
+    if config.num_experts:
+        return (f"{config.architecture} is a mixture-of-experts model, whose experts this layout does not write; "
+                "serve the ATC bundle")
+    other = sorted({m.format_name for m in quantized_modules(loaded.model).values() if not isinstance(m, Int8Linear)})
+    if not other:
+        return None
+    why = {"int4": "vllm-ascend runs INT4 weight-only (W4A16) for MoE experts only, not dense layers",
+           "fp8": "AscendV1 has no FP8 weight layout for vllm-ascend's dense layers"}
+    reasons = "; ".join(why.get(f, f"{f!r} layers have no AscendV1 form") for f in other)
+    return f"{reasons}; compile with the int8 pass for vllm-ascend (W8A8 / W8A8_DYNAMIC / W8A16)"
+
+
+def check_ascend_v1(loaded: LoadedModel) -> None:
+    """ConfigError (one line) for an INT8 artifact the AscendV1 layout cannot hold exactly as declared."""
+    where = loaded.source.path
+    manifest = loaded.manifest or {}
+    if manifest.get("kv_cache"):
+        kind = manifest["kv_cache"].get("dtype", "?") if isinstance(manifest["kv_cache"], dict) else "?"
+        raise ConfigError(f"{where}: the artifact has a {kind} KV cache; AscendV1's only KV cache is vllm-ascend's "
+                          "INT8 'C8' (kv_cache_type) with its own per-layer scales, which qcompile does not write; "
+                          "compile without kv_cache_dtype for vllm-ascend")
+    int8 = {n: m for n, m in quantized_modules(loaded.model).items() if isinstance(m, Int8Linear)}
+    if not int8:
+        return
+    for name, m in int8.items():
+        fmt = m.format
+        if fmt.activation_scheme == "dynamic" and not fmt.activation_symmetric:
+            raise ConfigError(f"{where}: {name} has dynamic asymmetric INT8 activations; vllm-ascend's W8A8_DYNAMIC "
+                              "is symmetric per token; compile with activation_symmetric = true (or "
+                              "activation_scheme = \"static\")")
+        if m.input_zero_point is not None and not -128 <= int(m.input_zero_point) <= 127:
+            raise ConfigError(f"{where}: {name}'s static zero point {int(m.input_zero_point)} is outside int8, "
+                              "which vllm-ascend's input_offset holds; recompile (the int8 pass keeps 0 in the range)")
+    for block in sorted({n[: -len(s)] for n in int8 for g in FUSED_SETS for s in g if n.endswith("." + s)}):
+        for group in FUSED_SETS:
+            members = [loaded.model.get_submodule(block + s) if _has(loaded.model, block + s) else None for s in group]
+            if any(m is None for m in members):
+                continue
+            kinds = [quant_type(m) if isinstance(m, Int8Linear) else FLOAT for m in members]
+            short = "/".join(s.rpartition(".")[2] for s in group)
+            if len(set(kinds)) > 1:
+                raise ConfigError(f"{where}: {block.rstrip('.')}'s {short} are {', '.join(kinds)}; vllm-ascend runs "
+                                  "them as one fused layer of one type; recompile so they match (modules_to_not_convert "
+                                  "naming all of them, or none)")
+            if kinds[0] == W8A8:
+                qparams = {(float(m.input_scale), 0 if m.input_zero_point is None else int(m.input_zero_point))
+                           for m in members}
+                if len(qparams) > 1:
+                    raise ConfigError(f"{where}: {block.rstrip('.')}'s {short} have different static input scales / "
+                                      f"zero points {sorted(qparams)}; vllm-ascend keeps one for the fused layer; "
+                                      "use activation_scheme = \"dynamic\"")
+
+
+def serving_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the directory is written in: the model's when half precision, else bfloat16 (vllm-ascend's
+    INT8 matmuls return float16 or bfloat16, and W8A8 has no float32 deq_scale)."""
+    dtype = model.embed_tokens.weight.dtype
+    return dtype if str(dtype).removeprefix("torch.") in HALF_DTYPES else torch.bfloat16
+
+
+def _has(model: torch.nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def deqscale2int64(scale: torch.Tensor) -> torch.Tensor:
+    """msModelSlim's packing of a float32 deq_scale for float16 models: its bits as int32, widened to int64."""
+    bits = np.frombuffer(scale.detach().cpu().to(torch.float32).numpy().tobytes(), dtype=np.int32)
+    return torch.from_numpy(bits.astype(np.int64))
+
+
+def int64_to_deqscale(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``deqscale2int64`` (the low 32 bits as float32)."""
+    return torch.from_numpy(packed.cpu().numpy().astype(np.int32).view(np.float32).copy())
+
+
+@dataclass
+class _Rounding:
+    """The largest relative change of each kind of value written in the model dtype."""
+
+    worst: dict[str, float] = field(default_factory=dict)
+    bias_steps: float = 0.0  # the largest |folded bias - bias| / deq_scale (≤ 0.5)
+    bias_abs: float = 0.0
+    odd_zero_point: bool = False
+    static_symmetric: bool = False
+
+    def cast(self, kind: str, value: torch.Tensor, dtype: torch.dtype, effective: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """``value`` in ``dtype``, recording how far ``effective`` (default: that) is from it."""
+        out = value.to(dtype)
+        ref = value.float()
+        got = out.float() if effective is None else effective.float()
+        change = ((got - ref).abs() / ref.abs().clamp(min=torch.finfo(torch.float32).tiny)).max()
+        self.worst[kind] = max(self.worst.get(kind, 0.0), float(change) if value.numel() else 0.0)
+        return out
+
+    def notes(self, dtype: str) -> list[str]:
+        out = [f"vllm-ascend holds {kind} in {dtype}: rounding the artifact's float32 ones changes them by up to "
+               f"{w:.1e} (relative)" for kind, w in sorted(self.worst.items()) if w > 0]
+        if self.static_symmetric:
+            out.append("W8A8 (static, symmetric): npu_quantize clamps codes to -128..127, the artifact to -127..127: "
+                       "an input below -127.5 input scales quantizes one step lower")
+        if self.odd_zero_point:
+            out.append("W8A8 (static, zero point): npu_quantize rounds x / s + z at once, the artifact rounds x / s "
+                       "then adds z: with an odd z, codes differ by one where x / s is exactly half-way")
+        if self.bias_steps > 0:
+            out.append(f"W8A8 (static) folds each float bias into quant_bias (msModelSlim's round(bias / deq_scale)): "
+                       f"off by up to {self.bias_steps:.2f} of a deq_scale step ({self.bias_abs:.1e})")
+        return out
+
+
+def layer_tensors(module: Int8Linear, dtype: torch.dtype, rounding: _Rounding | None = None) -> dict[str, torch.Tensor]:
+    """The AscendV1 tensors of one Int8Linear (suffix -> tensor), in vllm-ascend's parameter dtypes."""
+    rounding = rounding or _Rounding()
+    kind = quant_type(module)
+    n = module.out_features
+    scale = module.weight_scale.detach().float().reshape(n, 1)
+    out = {"weight": module.weight.detach().to(torch.int8).contiguous(),
+           "weight_scale": rounding.cast("INT8 weight scales", scale, dtype).contiguous(),
+           "weight_offset": torch.zeros(n, 1, dtype=dtype)}
+    if kind == W8A8:
+        input_scale = rounding.cast("static input scales", module.input_scale.detach().float().reshape(1), dtype)
+        # vllm-ascend quantizes by the reciprocal, computed in the model dtype: 1 / (1 / s').to(dt)
+        rounding.cast("static input scales (as the reciprocal it quantizes by)",
+                      module.input_scale.detach().float().reshape(1), dtype,
+                      1 / (1 / input_scale).to(dtype).float())
+        zero = 0 if module.input_zero_point is None else int(module.input_zero_point)
+        rounding.odd_zero_point |= zero % 2 == 1
+        rounding.static_symmetric |= module.input_zero_point is None
+        deq = input_scale.float() * module.weight_scale.detach().float()  # float32, as msModelSlim computes it
+        correction = module.weight.to(torch.float32).sum(dim=1) * float(zero)
+        bias = torch.zeros(n) if module.bias is None else module.bias.detach().float()
+        quant_bias = torch.round(bias / deq - correction)
+        if quant_bias.abs().max() > torch.iinfo(torch.int32).max:
+            raise ConfigError(f"a static W8A8 layer's bias / deq_scale exceeds int32 (deq_scale down to "
+                              f"{float(deq.min()):.1e}); recompile with activation_scheme = \"dynamic\"")
+        if module.bias is not None:
+            folded = (quant_bias + correction) * deq
+            rounding.bias_abs = max(rounding.bias_abs, float((folded - bias).abs().max()))
+            rounding.bias_steps = max(rounding.bias_steps, float(((folded - bias).abs() / deq).max()))
+        out |= {"input_scale": input_scale.contiguous(),
+                "input_offset": torch.tensor([zero], dtype=torch.int8),
+                "deq_scale": deq.contiguous() if dtype == torch.bfloat16 else deqscale2int64(deq),
+                "quant_bias": quant_bias.to(torch.int32).contiguous()}
+    if module.bias is not None:
+        out["bias"] = module.bias.detach().to(dtype).contiguous()
+    return out
+
+
+def ascend_v1_tensors(loaded: LoadedModel) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
+    """(tensors by HF name, the description, notes) of a checked artifact."""
+    model = loaded.model
+    dtype = serving_dtype(model)
+    quantized = quantized_modules(model)
+    rounding = _Rounding()
+    tensors: dict[str, torch.Tensor] = {}
+    description: dict = {}
+    kinds = {FLOAT}
+    for name, module in quantized.items():
+        kind = quant_type(module)
+        kinds.add(kind)
+        for suffix, t in layer_tensors(module, dtype, rounding).items():
+            tensors[f"{hf_name(name)}.{suffix}"] = t
+            description[f"{hf_name(name)}.{suffix}"] = FLOAT if suffix == "bias" else kind
+    tied = model.config.tie_embeddings
+    for name, t in model.state_dict().items():
+        module, _, leaf = name.rpartition(".")
+        if module in quantized:
+            continue
+        if name == "lm_head.weight" and tied:  # vLLM skips it; vllm-ascend still looks its type up
+            description["lm_head.weight"] = FLOAT
+            continue
+        if t.is_floating_point() and t.dtype != dtype:
+            t = rounding.cast("float tensors (embeddings, norms, float layers)", t.detach(), dtype)
+        tensors[f"{hf_name(module)}.{leaf}"] = t.detach().contiguous()
+        description[f"{hf_name(module)}.{leaf}"] = FLOAT
+    model_quant_type = max(kinds, key=PRIORITY.index)
+    header = {"version": VERSION, "model_quant_type": model_quant_type, "metadata": {}, "group_size": 0, "optional": {}}
+    return tensors, header | dict(sorted(description.items())), rounding.notes(str(dtype).removeprefix("torch."))
+
+
+def write_weights(directory: Path, tensors: dict[str, torch.Tensor], part_bytes: int = PART_BYTES) -> list[str]:
+    """``quant_model_weights.safetensors``, or msModelSlim's numbered parts and their index."""
     from safetensors.torch import save_file
 
-    tensors: dict[str, torch.Tensor] = {}
-    description: dict = {"model_quant_type": QUANT_TYPE}
-    groups = set()
-    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    for name, module in quantized.items():
-        prefix = hf_name(name)
-        if isinstance(module, Int4Linear):
-            groups.add(module.group_size)
-            for suffix, t in w4a16_tensors(module).items():
-                tensors[f"{prefix}.{suffix}"] = t
-                description[f"{prefix}.{suffix}"] = QUANT_TYPE
-        else:
-            tensors[f"{prefix}.weight"] = module.dequantized_weight().detach().contiguous()
-            description[f"{prefix}.weight"] = "FLOAT"
-        bias = module.dequantized_bias()
-        if bias is not None:
-            tensors[f"{prefix}.bias"] = bias.detach().contiguous()
-            description[f"{prefix}.bias"] = "FLOAT"
-    skip = tuple(f"{n}." for n in quantized)
-    seen = set()
-    for name, t in model.state_dict().items():
-        if name.startswith(skip) or t.data_ptr() in seen:  # tied lm_head shares the embedding
-            continue
-        seen.add(t.data_ptr())
-        tensors[hf_name(name)] = t.detach().contiguous()
-        description[hf_name(name)] = "FLOAT"
-    if len(groups) > 1:
-        raise ConfigError(f"msModelSlim W4A16 has one group size per model; this artifact mixes {sorted(groups)}")
-    if groups:
-        description["group_size"] = groups.pop()
-    save_file(tensors, str(directory / WEIGHT_FILE))
-    (directory / DESCRIPTION_FILE).write_text(json.dumps(description, indent=1))
-    return description
+    parts, current, size = [], {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > part_bytes:
+            parts.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    parts += [current] if current else []
+    if len(parts) <= 1:
+        save_file(parts[0] if parts else {}, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        return [WEIGHTS_FILE]
+    names = [f"{WEIGHTS_PREFIX}-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
+    weight_map = {}
+    for file, part in zip(names, parts):
+        save_file(part, str(directory / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                   indent=2))
+    return names
 
 
-def load_w4a16(directory: str | Path) -> dict[str, torch.Tensor]:
-    """Every weight of a W4A16 export as float: quantized layers dequantized, others as stored."""
+@dataclass
+class AscendV1Export:
+    """Everything the directory holds, built (and checked) before anything is written."""
+
+    tensors: dict[str, torch.Tensor]
+    description: dict
+    config: dict
+    tokenizer: object
+    notes: list[str]
+
+    def write(self, directory: Path, part_bytes: int = PART_BYTES) -> list[str]:
+        """Write the directory (which must not exist); returns the weight files."""
+        directory.mkdir(parents=True)
+        files = write_weights(directory, self.tensors, part_bytes)
+        (directory / DESCRIPTION_FILE).write_text(json.dumps(self.description, indent=2))
+        (directory / "config.json").write_text(json.dumps(self.config, indent=2))
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(directory))
+        return files
+
+
+def prepare_ascend_v1(loaded: LoadedModel) -> AscendV1Export:
+    """The AscendV1 export of a checked artifact (``check_ascend_v1``), its notes included."""
+    from backends.vllm.export import hf_config
+
+    tensors, description, notes = ascend_v1_tensors(loaded)
+    dtype = str(serving_dtype(loaded.model)).removeprefix("torch.")
+    if loaded.model.embed_tokens.weight.dtype != serving_dtype(loaded.model):
+        notes.insert(0, f"written in {dtype}, as vllm-ascend runs INT8 layers (the artifact is "
+                        f"{str(loaded.model.embed_tokens.weight.dtype).removeprefix('torch.')}): codes unchanged, "
+                        "the float values rounded as below")
+    config = hf_config(loaded.model.config, dtype)  # no quantization_config: vllm-ascend finds the description
+    if loaded.tokenizer is None:
+        notes.append("the artifact holds no tokenizer: give vllm serve --tokenizer")
+    return AscendV1Export(tensors, description, config, loaded.tokenizer, notes)
+
+
+def read_ascend_v1(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(the description, every tensor) of a written directory, its parts merged."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    try:
-        description = json.loads((directory / DESCRIPTION_FILE).read_text())
-        tensors = load_file(str(directory / WEIGHT_FILE))
-    except FileNotFoundError as e:
-        raise ArtifactError(f"{directory}: missing {Path(e.filename).name}; not an msModelSlim W4A16 export") from None
-    if description.get("model_quant_type") != QUANT_TYPE:
-        raise ArtifactError(f"{directory / DESCRIPTION_FILE}: model_quant_type is {description.get('model_quant_type')!r}, expected W4A16")
-    group = description.get("group_size")
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith((".weight_scale", ".weight_offset")):
-            continue
-        if description.get(name) == QUANT_TYPE:
-            prefix = name.removesuffix(".weight")
-            scale, offset = tensors[f"{prefix}.weight_scale"], tensors[f"{prefix}.weight_offset"]
-            n, k = t.shape
-            w = (t.float().view(n, k // group, group) + offset[..., None]) * scale[..., None]
-            out[name] = w.view(n, k)
-        else:
-            out[name] = t
-    return out
+    description = json.loads((directory / DESCRIPTION_FILE).read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        if re.fullmatch(rf"{WEIGHTS_PREFIX}(-\d{{5}}-of-\d{{5}})?\.safetensors", path.name):
+            tensors |= load_file(str(path))
+    return description, tensors
