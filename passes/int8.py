@@ -11,6 +11,8 @@ with INT8 activations per token (dynamic) or per tensor (static), or none (W8A16
     smoothing_strength = "auto"         # migration strength α, or "auto": chosen on the validation split
     smoothing_grid = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
     weight_rounding = "gptq"            # or "nearest"
+    static_range = "search"             # static: the clip of the calibrated range with the least layer
+                                        # error on the sampled rows, or "minmax" (the whole range)
     modules_to_not_convert = ["lm_head", "embed_tokens"]
 
 Phases, the model in memory (``scope`` "model": the strength is chosen on whole-model losses):
@@ -25,8 +27,11 @@ Phases, the model in memory (``scope`` "model": the strength is chosen on whole-
    on the calibration corpus' validation region (``validation_windows`` windows, never the
    evaluation region the figures are reported on); the report gives every α's loss.
 2. **Calibrate** the smoothed model: per converted Linear, XᵀX (GPTQ), a row sample (the error
-   column of the report) and, for static activations, each channel's range (the tensor's min/max
-   give the scale and zero point).
+   column of the report) and, for static activations, each channel's range: the tensor's min/max,
+   shrunk by the factor of ``STATIC_CLIPS`` whose layer output error on the sampled rows (each
+   token's relative to its own output, averaged) is least
+   (``static_range = "search"``; a range set by a few outlier tokens makes every other token's steps
+   coarse), give the scale and zero point.
 3. **Quantize**: symmetric per-channel scales from the smoothed weight's abs-max, codes by GPTQ's
    error-compensating rounding on them (``passes/gptq.py``); the report's rows give each layer's
    relative output error on the sampled calibration rows (the quantized activations included).
@@ -60,6 +65,7 @@ from passes.awq_mappings import SMOOTHING, ScalingGroup, expand_columns, fold_sc
 from passes.gptq import gptq_round
 
 CALIBRATION_BATCH = 4
+STATIC_CLIPS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1)  # shrink factors of a static range
 NORMS = ("layernorm", "_norm")  # a group whose prev is named so is one SmoothQuant smooths by default
 
 
@@ -76,6 +82,7 @@ class Int8Options:
     smoothing_grid: list[float] = field(default_factory=lambda: [0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
     validation_windows: int = 4  # windows of [calibration].seq_len tokens scoring each α
     weight_rounding: Literal["gptq", "nearest"] = "gptq"
+    static_range: Literal["search", "minmax"] = "search"
     gptq_damp: float = 0.01
     modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head", "embed_tokens"])
     calibration_samples: int | None = None
@@ -214,18 +221,28 @@ class Int8Pass(Pass):
             weight = gptq_round(linear.weight, stats.hessian,
                                 lambda cols, _: dequantize_weight(quantize_weight(cols, scale[:, 0]), scale[:, 0]),
                                 damp=o.gptq_damp)
-        qparams = static_qparams(stats, fmt.activation_symmetric) if fmt.static else None
-        q = Int8Linear.from_linear(linear, fmt, weight, qparams)
         row = LayerDecision(name, "int8", "requested")
-        if qparams is not None:
-            row.metrics["input_scale"] = qparams[0]
-            if qparams[1] is not None:
-                row.metrics["input_zero_point"] = qparams[1]
+        clips = STATIC_CLIPS if fmt.static and o.static_range == "search" else (1.0,)
+        best, q = math.inf, None
         with torch.inference_mode():
             x = stats.rows.to(linear.weight.dtype)
             ref = linear(x).float()
-            err = float((q(x).float() - ref).norm() / ref.norm().clamp(min=1e-30))
-        row.metrics["rel_error"] = err if math.isfinite(err) else float("inf")
+            for clip in clips:
+                qparams = static_qparams(stats, fmt.activation_symmetric, clip) if fmt.static else None
+                candidate = Int8Linear.from_linear(linear, fmt, weight, qparams)
+                y = candidate(x).float()
+                # each token's error relative to its own output: a few huge tokens must not outweigh the rest
+                per_token = float(((y - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-30)).mean())
+                per_token = per_token if math.isfinite(per_token) else math.inf
+                if q is None or per_token < best:
+                    best, q = per_token, candidate
+                    err = float((y - ref).norm() / ref.norm().clamp(min=1e-30))
+                    row.metrics["rel_error"] = err if math.isfinite(err) else math.inf
+                    row.metrics["token_rel_error"] = per_token
+                    if qparams is not None:
+                        row.metrics |= {"input_scale": qparams[0], "static_clip": clip}
+                        if qparams[1] is not None:
+                            row.metrics["input_zero_point"] = qparams[1]
         q.drop_derived()
         model.set_submodule(name, q)
         return row
@@ -275,9 +292,11 @@ def smooth(model: Transformer, groups: list[tuple[int, ScalingGroup]], ranges: d
         fold_scales(block, group, s, s if expand is None else s[expand])
 
 
-def static_qparams(stats: InputStatistics, symmetric: bool) -> tuple[float, int | None]:
-    """A static format's (scale, zero point): the calibration tokens' range over every channel, with 0 in it."""
-    low, high = float(stats.channel_min.min().clamp(max=0)), float(stats.channel_max.max().clamp(min=0))
+def static_qparams(stats: InputStatistics, symmetric: bool, clip: float = 1.0) -> tuple[float, int | None]:
+    """A static format's (scale, zero point): the calibration tokens' range over every channel, with 0
+    in it, shrunk by ``clip``."""
+    low = clip * float(stats.channel_min.min().clamp(max=0))
+    high = clip * float(stats.channel_max.max().clamp(min=0))
     if symmetric:
         amax = max(-low, high)
         return (float(symmetric_scales(torch.tensor(amax))) if amax > 0 else 1.0), None

@@ -99,6 +99,30 @@ def test_smoothquant_moves_an_outlier_channel_into_the_weights(tiny, tmp_path):
     assert errors["norms"] < errors["none"] / 3
 
 
+@torch.no_grad()
+def test_static_range_search_beats_the_whole_range_on_outlier_tokens():
+    """2% of the tokens 30x larger set a static min/max range whose steps crush every other token's;
+    the search shrinks the range (saturating those few) where that lowers the layer's error."""
+    from compiler.pipeline.calibration import InputStatistics
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 64)
+    x[::50] *= 30
+    stats = InputStatistics(InputRequest(channel_range=True, rows=512), 64)
+    stats.add(x)
+    errors, clips = {}, {}
+    for static_range in ("minmax", "search"):
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+        op = Int8Pass(Int8Options(activation_scheme="static", weight_rounding="nearest", static_range=static_range))
+        row = op._convert(model, "0", stats)
+        errors[static_range], clips[static_range] = row.metrics["token_rel_error"], row.metrics["static_clip"]
+        assert isinstance(model[0], Int8Linear)
+    print(errors, clips)
+    assert clips["minmax"] == 1.0 and clips["search"] < 1.0
+    assert errors["search"] < errors["minmax"] / 3
+
+
 def test_the_strength_is_chosen_on_the_validation_split(tiny, tmp_path, monkeypatch):
     import passes.int8 as int8_pass
 
