@@ -1,6 +1,7 @@
 """qcompile (engine, ONNX Runtime) against vLLM CPU, llama.cpp and onnxruntime-genai on SmolLM2, in one run.
 
     python benchmarks/engine_vs_peers.py --float out/float --int4 out/awq-g128 [--int4-head out/awq-g128-head] [--w4a16] --fp8 out/fp8 \
+        [--int8 out/int8-w8a8] \
         [--vllm --vllm-int4 out/awq-g128-fp16 --vllm-fp8 out/fp8-vllm] [--onnx [--onnx-standard]] [--llama-cpp [--gguf-q4-0 out/awq-gguf-q4_0]] \
         [--genai-path /tmp/ortgenai --genai-model /tmp/genai-int4] [--threads 2] [--output-len 128] \
         [--json docs/data/engine_vs_peers.json] [--plot out/engine_vs_peers.png]
@@ -265,9 +266,11 @@ def runtimes(args) -> list[tuple[str, callable]]:
             out.append((f"qcompile {label}, {compute.upper()}", lambda artifact=artifact, plan=plan: run_engine(artifact, args, plan)))
     if args.fp8:
         out.append(("qcompile FP8", lambda: run_engine(args.fp8, args)))
+    if args.int8:
+        out.append(("qcompile INT8 W8A8", lambda: run_engine(args.int8, args)))
     if args.vllm:
         variants = [("float", "vLLM CPU float32", args.float), ("int4", "vLLM CPU W4A16", args.vllm_int4 or args.int4),
-                    ("fp8", "vLLM CPU FP8 W8A8", args.vllm_fp8 or args.fp8)]
+                    ("fp8", "vLLM CPU FP8 W8A8", args.vllm_fp8 or args.fp8), ("int8", "vLLM CPU INT8 W8A8", args.int8)]
         for key, label, artifact in variants:
             if artifact:
                 eager = key in args.vllm_eager
@@ -380,7 +383,8 @@ def main() -> None:
                    help="also the INT4 artifacts served with the format's float activations (int4_compute w4a16), "
                         "beside W4A8 (the CPU default)")
     p.add_argument("--fp8", type=Path, help="an FP8 artifact (examples/fp8.toml)")
-    p.add_argument("--vllm", action="store_true", help="also vLLM CPU on the float, INT4 and FP8 artifacts, lowered for it")
+    p.add_argument("--int8", type=Path, help="an INT8 W8A8 artifact (examples/int8_w8a8.toml)")
+    p.add_argument("--vllm", action="store_true", help="also vLLM CPU on the float, INT4, FP8 and INT8 artifacts, lowered for it")
     # vLLM runs INT4 in float16 only and has no FP8 input shift: artifacts compiled for it
     p.add_argument("--vllm-int4", type=Path, help="the INT4 artifact vLLM serves (examples/awq_g128_vllm.toml)")
     p.add_argument("--vllm-fp8", type=Path, help="the FP8 artifact vLLM serves (examples/fp8_vllm.toml)")

@@ -1,0 +1,149 @@
+"""Perplexity of INT8 variants (the ``int8`` pass) of SmolLM2-135M or Gemma 3 270M against float, and
+vLLM's perplexity on the export against ``qcompile eval``'s on the artifact.
+
+Each variant is compiled from the same loaded checkpoint, saved, reloaded and evaluated on the first
+``--windows`` windows of each corpus' ``--split`` region (stdlib-docs holds 15 per region):
+perplexity, its change against float in the same run, the mean per-token KL(float ‖ variant) and
+top-1 agreement (``fp8_quality.held_out_sets``, ``passes/distill/evaluate.compare_on_windows``).
+With ``--vllm`` each W8A8 artifact is also lowered with ``--target vllm`` and served by vLLM CPU,
+whose prompt log-probabilities give its perplexity on pydoc's evaluation windows
+(``backends/vllm/evaluate.server_perplexity``), beside ``qcompile eval``'s on the same windows.
+
+    python benchmarks/int8_quality.py --split validation --only w8a8-dynamic w8a8-dynamic-smooth-norms   # choose
+    python benchmarks/int8_quality.py --corpora pydoc,stdlib-docs --vllm --json docs/data/int8_quality_smollm2.json
+    python benchmarks/int8_quality.py --model gemma3-270m --corpora pydoc,stdlib-docs
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import backends  # noqa: E402,F401  (registers the vllm target)
+import passes  # noqa: E402,F401  (registers the int8 pass)
+from calib import SPLITS, evaluation_windows  # noqa: E402
+from compiler.io.artifact import load_artifact  # noqa: E402
+from compiler.io.load import load_checkpoint  # noqa: E402
+from compiler.pipeline import PipelineConfig  # noqa: E402
+from compiler.pipeline.compile import compile_loaded  # noqa: E402
+from compiler.pipeline.evaluate import corpus_split  # noqa: E402
+from fp8_quality import held_out_sets  # noqa: E402
+from passes.distill.evaluate import compare_on_windows  # noqa: E402
+
+EXAMPLE = tomllib.loads((ROOT / "examples" / "int8_w8a8.toml").read_text())["passes"][0]
+# label -> int8 pass options over examples/int8_w8a8.toml's (None: the float baseline)
+VARIANTS = {
+    "float": None,
+    "w8a8-dynamic": {},
+    "w8a8-dynamic-smooth-norms": {"smoothing": "norms"},
+    "w8a8-dynamic-no-smoothing": {"smoothing": "none"},
+    "w8a8-dynamic-asymmetric": {"activation_symmetric": False},
+    "w8a8-static": {"activation_scheme": "static", "activation_symmetric": False},
+    "w8a8-static-minmax": {"activation_scheme": "static", "activation_symmetric": False, "static_range": "minmax"},
+    "w8a16": {"activation_scheme": "none", "activation_symmetric": True, "smoothing": "none"},
+}
+
+
+def variant_config(options: dict | None, samples: int, dtype: str) -> PipelineConfig:
+    d = {"model": {"dtype": dtype}, "calibration": {"corpus": "pydoc", "samples": samples, "seq_len": 512, "seed": 0}}
+    d["passes"] = [] if options is None else [{**EXAMPLE, **options}]
+    return PipelineConfig.from_dict(d)
+
+
+def vllm_perplexity(artifact: Path, out: Path, windows: torch.Tensor) -> dict:
+    """vLLM CPU's perplexity on ``windows`` from its prompt log-probabilities of the lowered export."""
+    from backends.triton.runtime import free_port
+    from backends.vllm.evaluate import server_perplexity
+    from backends.vllm.runtime import VllmOptions, VllmServer, vllm_host
+    from compiler.deploy.lowering import lower
+
+    checkpoint = lower(artifact, "vllm", out / f"{artifact.name}-vllm")
+    opts = VllmOptions(checkpoint, port=free_port(), served_name="model", max_model_len=1024,
+                       extra_args=["--enforce-eager"])
+    with VllmServer(opts, log_path=out / f"{artifact.name}-vllm.log") as server:
+        result = server_perplexity(server.url, server.model, windows)
+        return {**result, "vllm_build": vllm_host(server.python).build}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", help="a built-in model (smollm2, gemma3-270m) or a checkpoint path")
+    ap.add_argument("--dtype", default="float32", help="the compile's model dtype")
+    ap.add_argument("--windows", type=int, default=16, help="per corpus (stdlib-docs holds 15 per region)")
+    ap.add_argument("--samples", type=int, default=32, help="calibration windows of 512 tokens")
+    ap.add_argument("--only", nargs="*", choices=list(VARIANTS), help="variants besides float")
+    ap.add_argument("--corpora", default="pydoc", help="comma-separated held-out corpora")
+    ap.add_argument("--split", default="evaluation", choices=SPLITS,
+                    help="validation to choose settings on, evaluation for figures that are reported")
+    ap.add_argument("--vllm", action="store_true", help="also vLLM CPU's perplexity on each W8A8 export (pydoc)")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args()
+    console = Console(width=200)
+    source = load_checkpoint(args.model, dtype=args.dtype)
+    labels = ["float"] + [v for v in (args.only or VARIANTS) if v != "float"]
+    sets = held_out_sets(source, args.corpora.split(","), args.split, args.windows)
+    rows, served = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for label in labels:
+            start = time.perf_counter()
+            variant = copy.copy(source)
+            variant.model = copy.deepcopy(source.model)
+            result = compile_loaded(variant, variant_config(VARIANTS[label], args.samples, args.dtype), Path(tmp) / label)
+            compile_s = time.perf_counter() - start
+            model = load_artifact(result.path).model
+            metrics = result.reports[0].metrics if result.reports else {}
+            for corpus, (windows, reference) in sets.items():
+                scores = compare_on_windows(source.model, model, windows, reference=reference,
+                                            batch_size=4 if reference is not None else 1)
+                rows.append({"variant": label, "corpus": corpus, "windows": len(windows), "ppl": scores["ppl_student"],
+                             "kl": scores["kl"], "top1": scores["top1_agreement"],
+                             "smoothing_strength": metrics.get("smoothing_strength"),
+                             "mean_rel_error": metrics.get("mean_rel_error"), "compile_s": compile_s})
+                console.print(f"{label} on {corpus}: ppl {scores['ppl_student']:.4f}, KL {scores['kl']:.5f}, "
+                              f"top-1 {scores['top1_agreement']:.4f}")
+            del model
+            if args.vllm and VARIANTS[label] is not None and VARIANTS[label].get("activation_scheme") != "none":
+                region = corpus_split(source.tokenizer, "pydoc").region(args.split)
+                windows = evaluation_windows(region, args.windows, 512)
+                ours = next(r["ppl"] for r in rows if r["variant"] == label and r["corpus"] == "pydoc")
+                theirs = vllm_perplexity(result.path, Path(tmp), windows)
+                served.append({"variant": label, "qcompile_eval_ppl": ours, "vllm_ppl": theirs["ppl"],
+                               "ratio": theirs["ppl"] / ours, "tokens": theirs["tokens"], "vllm_build": theirs["vllm_build"]})
+                console.print(f"{label}: vLLM {theirs['ppl']:.4f} against qcompile eval {ours:.4f} "
+                              f"({100 * (theirs['ppl'] / ours - 1):+.2f}%, vLLM build {theirs['vllm_build']})")
+    console.print(results_table(rows, args))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"model": args.model, "dtype": args.dtype, "split": args.split,
+                                         "samples": args.samples, "rows": rows, "vllm": served}, indent=1) + "\n")
+
+
+def results_table(rows: list[dict], args) -> Table:
+    table = Table(title=f"{args.model} ({args.dtype}), {args.split} split, windows × 512 tokens, "
+                        f"calibration {args.samples} × 512 (pydoc)")
+    for col in ("variant", "corpus", "windows", "perplexity", "Δ vs float", "KL vs float", "top-1", "α", "compile s"):
+        table.add_column(col, justify="left" if col in ("variant", "corpus") else "right")
+    base = {r["corpus"]: r["ppl"] for r in rows if r["variant"] == "float"}
+    for r in rows:
+        alpha = r["smoothing_strength"]
+        table.add_row(r["variant"], r["corpus"], str(r["windows"]), f"{r['ppl']:.3f}",
+                      f"{100 * (r['ppl'] / base[r['corpus']] - 1):+.2f}%", f"{r['kl']:.4f}", f"{100 * r['top1']:.1f}%",
+                      "-" if alpha is None else f"{alpha}", f"{r['compile_s']:.0f}")
+    return table
+
+
+if __name__ == "__main__":
+    main()
