@@ -17,15 +17,22 @@ AVX-512 and AVX2). A row holding NaN or inf gives NaN outputs for that row, in t
 A NaN-free row's output is the same in any batch.
 
 SmolLM2-135M's 30 layers of projections (q/k/v fused 576->960, o 576->576, gate/up fused 576->3072,
-down 1536->576), 2 threads of the AMD EPYC (Zen 4, avx512_bf16 level), weights cold, ms for all of
-them (``python benchmarks/dense_cpu.py --int8 --rows 1,16,64,512``; ``--isa avx2`` for the AVX2 line):
+down 1536->576), weights cold, 2 threads of the AMD EPYC (Zen 4: AVX-512, VNNI, BF16; no AVX-VNNI),
+ms for all of them, symmetric per-token activations (``python benchmarks/dense_cpu.py --int8 --rows
+1,16,64,512 --isa avx512_bf16,avx2``, 2026-12-07, no other process running):
 
-    rows                                     1      16     64     512
-    float32 dense_linear                    12.4   18.9   60.8   479
-    torch._int_mm + torch quantization      72.1   87.6  124     483
-    w8a8_linear (avx512_bf16: vpdpbusd)      3.1    4.6   11.3    74.5
-    w8a8_linear (avx2: vpmaddwd)             3.4    8.4   25.4   187
-    float32 dense_linear (avx2)             12.7   22.7   78.6   605
+    rows                                   1      16     64     512
+    avx512_bf16  float32 dense_linear     18.1   25.9   76.5   537
+                 w8a8_linear (vpdpbusd)    6.6   10.6   27.6   172
+                 torch._int_mm + torch     20.0   38.5   63.3   616
+    avx2         float32 dense_linear     11.6   32.9   81.1   602
+                 w8a8_linear (vpmaddwd)    4.8   18.7   53.2   571
+
+(torch's column: quantize_per_token, ``_int_mm`` on the weight transposed once, the scaling; the
+runs vary by ~10-20% from one to the next on this shared host.) At one row it reads a quarter of
+float32's bytes (106 MB against 425 MB); at 16 and more rows AVX512-VNNI's vpdpbusd does 4x float32's
+multiply-adds per instruction. The AVX2 way (no VNNI) does two int16 products per lane and
+instruction, so from 64 rows it gains little on float32's FMA.
 
 The packed weight (``pack_w8a8``) is a derived copy, never saved: the codes in blocks of 16 output
 channels x 4 consecutive k (1 byte a weight) and each channel's sum of codes.

@@ -27,6 +27,10 @@
 // vpmaddubsw (u8 x s8 pairs into int16, saturating) is not used: 255 x 127 x 2 overflows int16. Every
 // product and sum is exact at every level and the float32 part is the same operations, so every
 // level gives the same bits, equal to int8_gemm(*quantize_per_token(x), q_w, s_w, bias).
+//
+// As dense_linear's tiles: each thread takes a run of blocks, a few at a time, and every row against
+// them in tiles whose int32 sums stay in registers over the whole of K; so the packed weight (1 byte a
+// weight) is read from memory once per call, as one stream per block, whatever the number of rows.
 #include "dense_tiles.h"
 #include "ops.h"
 
