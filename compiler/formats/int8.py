@@ -214,4 +214,6 @@ class Int8Linear(QuantizedLinear):
         """torch's arithmetic of the format (the kernel's bits): quantize the input, integer GEMM, scale."""
         x2 = x.reshape(-1, self.in_features)
         y = int8_gemm(*self.quantize_input(x2), self.weight, self.weight_scale, self.bias)
+        if self.format.static:  # a static scale would clamp inf to a finite code: NaN rows, as the kernel
+            y = torch.where(torch.isfinite(x2).all(dim=1, keepdim=True), y, torch.full_like(y, float("nan")))
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

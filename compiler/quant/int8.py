@@ -20,7 +20,9 @@ and the output of a layer is, exactly in int32 then in float32,
 
 A token whose scale would be 0 (all zeros; asymmetric: all equal) takes its range with 0 added to it,
 so that it still round-trips (an all-zero token: codes and scale 0). A token holding NaN or inf
-gives NaN outputs, never a finite guess.
+gives NaN outputs, never a finite guess (dynamic: a NaN scale; static: ``Int8Linear`` and the
+kernel set the row's outputs to NaN). An asymmetric zero point of a token far from 0 relative to
+its range (|min / s| > 2^31) does not fit int32, as in vLLM's int32 correction term.
 """
 from __future__ import annotations
 
