@@ -16,6 +16,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from backends.ascend.atc import AtcNotFound
 from backends.gguf.export import file_notes
 from backends.onnx.bundle import BUNDLE_FILE, OnnxBundleInfo
 from backends.vllm.export import EXPORT_FILE
@@ -64,7 +65,11 @@ def lower_cmd(
     from qcompile.cli.console import out
 
     check_target_flags(target, options)
-    path = lower(artifact, target, output, options, force)
+    try:
+        path = lower(artifact, target, output, options, force)
+    except AtcNotFound:  # the bundle is written (the .om is left to a CANN host): show what it holds
+        _print_bundle(out, OnnxBundleInfo.read(output))
+        raise
     if (Path(path) / BUNDLE_FILE).exists():
         _print_bundle(out, OnnxBundleInfo.read(path))
     if Path(path).suffix == ".gguf":

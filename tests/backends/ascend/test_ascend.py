@@ -135,7 +135,7 @@ def test_atc_success_without_om_is_an_error(int4_artifact, atc_double, monkeypat
         lower_ascend(load_artifact(int4_artifact), tmp_path / "b", OPTS, max_len=128)
 
 
-def test_without_atc_bundle_written_and_distinct_exit(int4_artifact, monkeypatch, tmp_path):
+def test_without_atc_bundle_written_and_distinct_exit(int4_artifact, monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     out = tmp_path / "bundle"
     monkeypatch.setattr(sys, "argv", ["qcompile", "lower", str(int4_artifact), "--target", "ascend", "--soc",
@@ -150,6 +150,8 @@ def test_without_atc_bundle_written_and_distinct_exit(int4_artifact, monkeypatch
     # INT4 has no AscendV1 form vllm-ascend loads (W4A16 is for MoE experts there): no directory, one note why
     notes = json.loads((out / "bundle.json").read_text())["extras"]["notes"]
     assert [n for n in notes if n.startswith(f"no {DIRECTORY}/ directory: vllm-ascend runs INT4 weight-only")]
+    printed = " ".join(capsys.readouterr().out.split())  # the bundle's notes are shown before the error
+    assert all(" ".join(f"note: {n}".split()) in printed for n in notes)
 
 
 @pytest.mark.parametrize("opts,match", [(AtcOptions("Ascend910B3", (64,)), "2 to 100"),
