@@ -5,8 +5,19 @@ from compiler.deploy.lowering import register_lowering
 from compiler.deploy.targets import TargetSpec, register_target
 from compiler.options import option
 
+
+
+def check_module(module: str, fmt: dict) -> str | None:
+    """Why the vllm-ascend directory cannot hold ``module`` as ``fmt`` declares it (the .om takes any
+    layer as its dequantized weight), or None."""
+    if fmt.get("format") == "int8" and fmt.get("activation_scheme") == "dynamic" and not fmt.get("activation_symmetric"):
+        return ("int8 dynamic asymmetric activations: vllm-ascend's W8A8_DYNAMIC is symmetric per token; set "
+                "activation_symmetric = true (or activation_scheme = \"static\")")
+    return None
+
+
 register_target(TargetSpec("ascend", "Huawei Ascend via ATC .om (fp16), and a vllm-ascend (msModelSlim AscendV1) "
-                                     "directory for INT8 / float artifacts", lambda module, fmt: None))
+                                     "directory for INT8 / float artifacts", check_module))
 
 
 @dataclass(frozen=True)

@@ -457,3 +457,17 @@ def test_cli_prints_where_the_directory_is(tmp_path, monkeypatch, capsys):
         main()
     assert exit_info.value.code == AtcNotFound.exit_code
     assert (out / DIRECTORY / DESCRIPTION_FILE).exists()
+
+
+def test_a_pipeline_for_ascend_refuses_dynamic_asymmetric_int8_before_any_work(tiny_checkpoint_with_tokenizer, tmp_path):
+    import passes  # noqa: F401  (registers the int8 pass)
+    from compiler.errors import PipelineValidationError
+    from compiler.pipeline import PipelineConfig
+    from compiler.pipeline.compile import compile_loaded
+
+    path, _ = tiny_checkpoint_with_tokenizer("llama")
+    config = PipelineConfig.from_dict({"passes": [{"name": "int8", "activation_symmetric": False}],
+                                       "target": {"name": "ascend"}})
+    with pytest.raises(PipelineValidationError, match="W8A8_DYNAMIC is symmetric per token") as err:
+        compile_loaded(load_checkpoint(path), config, tmp_path / "a")
+    assert "\n" not in str(err.value) and not (tmp_path / "a").exists()
