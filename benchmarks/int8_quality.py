@@ -52,7 +52,7 @@ VARIANTS = {
     "w8a8-dynamic-no-smoothing": {"smoothing": "none"},
     "w8a8-dynamic-asymmetric": {"activation_symmetric": False},
     "w8a8-static": {"activation_scheme": "static", "activation_symmetric": False},
-    "w8a8-static-minmax": {"activation_scheme": "static", "activation_symmetric": False, "static_range": "minmax"},
+    "w8a8-static-search": {"activation_scheme": "static", "activation_symmetric": False, "static_range": "search"},
     "w8a16": {"activation_scheme": "none", "activation_symmetric": True, "smoothing": "none"},
 }
 
