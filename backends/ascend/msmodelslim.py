@@ -307,29 +307,9 @@ def ascend_v1_tensors(loaded: LoadedModel) -> tuple[dict[str, torch.Tensor], dic
 
 def write_weights(directory: Path, tensors: dict[str, torch.Tensor], part_bytes: int = PART_BYTES) -> list[str]:
     """``quant_model_weights.safetensors``, or msModelSlim's numbered parts and their index."""
-    from safetensors.torch import save_file
+    from backends.vllm.export import write_shards
 
-    parts, current, size = [], {}, 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > part_bytes:
-            parts.append(current)
-            current, size = {}, 0
-        current[name] = t
-        size += nbytes
-    parts += [current] if current else []
-    if len(parts) <= 1:
-        save_file(parts[0] if parts else {}, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-        return [WEIGHTS_FILE]
-    names = [f"{WEIGHTS_PREFIX}-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
-    weight_map = {}
-    for file, part in zip(names, parts):
-        save_file(part, str(directory / file), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(part, file)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                   indent=2))
-    return names
+    return write_shards(directory, tensors, part_bytes, WEIGHTS_PREFIX)
 
 
 @dataclass

@@ -49,7 +49,6 @@ from compiler.quant.int4 import storage_scale
 # The compressed-tensors release whose loader this layout was checked against (its decompressor
 # in tests/backends/vllm, and vLLM 0.32's CPU kernels); compressed-tensors writes its own version here.
 CT_VERSION = "0.17.0"
-INDEX_FILE = "model.safetensors.index.json"
 EXPORT_FILE = "qcompile_export.json"
 # The manifest entries (beyond compiler.io.artifact.CORE_KEYS) this export reads: the FP8 KV cache
 # and the serving plan (module docstring).
@@ -245,21 +244,23 @@ def _shards(tensors: dict[str, torch.Tensor], limit_bytes: int) -> list[dict[str
     return shards + [current] if current else shards
 
 
-def write_shards(out: Path, tensors: dict[str, torch.Tensor], limit_bytes: int) -> list[str]:
-    """``model.safetensors``, or numbered shards with the index transformers and vLLM read."""
+def write_shards(out: Path, tensors: dict[str, torch.Tensor], limit_bytes: int, stem: str = "model") -> list[str]:
+    """``{stem}.safetensors``, or numbered shards ``{stem}-0000i-of-0000n.safetensors`` with the index
+    ``{stem}.safetensors.index.json`` that transformers and vLLM read (``stem``: msModelSlim's names too)."""
     from safetensors.torch import save_file
 
-    shards = _shards(tensors, limit_bytes)
+    shards = _shards(tensors, limit_bytes) or [{}]
     if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        save_file(shards[0], str(out / f"{stem}.safetensors"), metadata={"format": "pt"})
+        return [f"{stem}.safetensors"]
+    names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for file, shard in zip(names, shards):
         save_file(shard, str(out / file), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(shard, file)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / f"{stem}.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                   "weight_map": weight_map}, indent=2))
     return names
 
 
