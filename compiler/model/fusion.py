@@ -49,15 +49,15 @@ def _layout(m: nn.Module) -> tuple | None:
     return None
 
 
+# The calibrated buffers that say how a layer quantizes its input (each format has some of them).
+INPUT_BUFFERS = ("input_scale", "input_shift", "outlier_index", "input_zero_point")
+
+
 def _same_input_quantization(modules: list[Fp8Linear] | list[Int8Linear]) -> bool:
     """Whether the members' calibrated input buffers agree, so quantizing the input once serves all."""
     first = modules[0]
     return all(a is None and b is None or a is not None and b is not None and torch.equal(a, b)
-               for m in modules[1:] for a, b in ((first.input_scale, m.input_scale),
-                                                 (getattr(first, "input_shift", None), getattr(m, "input_shift", None)),
-                                                 (getattr(first, "outlier_index", None), getattr(m, "outlier_index", None)),
-                                                 (getattr(first, "input_zero_point", None),
-                                                  getattr(m, "input_zero_point", None))))
+               for m in modules[1:] for a, b in ((getattr(first, n, None), getattr(m, n, None)) for n in INPUT_BUFFERS))
 
 
 def concat_fp8(modules: list[Fp8Linear]) -> Fp8Linear:
