@@ -37,6 +37,7 @@ from backends.vllm.tensors import fp8_tensors, int4_tensors, int8_tensors, kv_sc
 from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
 from compiler.errors import ConfigError
 from compiler.formats.int4 import Int4Linear
+from compiler.formats.int8 import Int8Linear
 from compiler.options import option
 from compiler.formats.qlinear import linear_modules, quantized_modules
 from compiler.io.artifact import MANIFEST, check_lowered_entries, load_artifact, read_manifest
@@ -192,6 +193,19 @@ def _check_half_scales(quantized: dict[str, torch.nn.Module], where: str) -> Non
                               "float16 (this artifact predates qcompile's float16 scales); compile it again")
 
 
+def weight_only_int8_rounding(model: torch.nn.Module, dtype: str) -> list[str]:
+    """vLLM's W8A16 layers hold their scales in the model dtype: a note of how far that rounds the
+    artifact's float32 ones (none in a float32 checkpoint)."""
+    scales = [m.weight_scale for m in quantized_modules(model).values()
+              if isinstance(m, Int8Linear) and not m.quantizes_activations]
+    if not scales or dtype == "float32":
+        return []
+    s = torch.cat(scales)
+    change = float(((s.to(getattr(torch, dtype)).float() - s).abs() / s).max())
+    return [f"INT8 weight-only layers hold their scales in {dtype} in vLLM: the artifact's float32 scales move by up "
+            f"to {change:.1e} (relative)"] if change else []
+
+
 def half_rounding(model: torch.nn.Module, where: str) -> float:
     """What writing a float32 model's float tensors (all but its INT4 layers' codes and scales) in float16
     changes: the largest change relative to its tensor's largest magnitude. Refuses values float16 cannot hold."""
@@ -276,7 +290,8 @@ def export_vllm(artifact: str | Path, out: str | Path, opts: VllmLowerOptions = 
                           "checkpoint that ships its tokenizer")
     model, modules = loaded.model, manifest.get("modules", {})
     _check_static_input_scales(model, modules, str(artifact))
-    dtype, notes = checkpoint_dtype(manifest["dtype"], modules), []
+    dtype = checkpoint_dtype(manifest["dtype"], modules)
+    notes = weight_only_int8_rounding(model, dtype)
     if dtype != manifest["dtype"]:
         _check_half_scales(quantized_modules(model), str(artifact))
         notes.append(f"written in {dtype}, as vLLM runs INT4 layers: the INT4 codes, scales and zero points are the "

@@ -205,6 +205,14 @@ def test_int8_weight_only_is_pack_quantized_8_bit(checkpoint, tmp_path):
         codes = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1).reshape(module.out_features, -1)
         assert torch.equal(codes - 128, module.weight.to(torch.int64))  # compressed-tensors' offset-binary bytes
         assert tensors[f"model.{name}.weight_shape"].tolist() == [module.out_features, module.in_features]
+    assert json.loads((out / EXPORT_FILE).read_text())["notes"] == []  # float32: the scales as they are
+
+
+def test_int8_weight_only_in_bfloat16_says_how_far_its_scales_round(checkpoint, tmp_path):
+    pipeline = {"model": {"dtype": "bfloat16"}, "passes": [{"name": "int8", "activation_scheme": "none"}]}
+    out = lower(compile_for(checkpoint, pipeline, tmp_path / "artifact"), "vllm", tmp_path / "vllm")
+    (note,) = json.loads((out / EXPORT_FILE).read_text())["notes"]
+    assert note.startswith("INT8 weight-only layers hold their scales in bfloat16 in vLLM")
 
 
 def test_a_serving_plan_over_the_fp8_kv_cache_exports(checkpoint, tmp_path):
