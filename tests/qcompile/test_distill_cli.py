@@ -147,9 +147,9 @@ def test_the_target_check_runs_before_training(teacher_dir, tmp_path):
     loaded = load_checkpoint(teacher_dir)
     int4 = tmp_path / "int4"
     save_artifact(int4, int4_copy(loaded.model, group_size=64), loaded.tokenizer, loaded.source, {}, [])
-    r = qcompile("distill", "--teacher", teacher_dir, "--student", int4, "--target", "ascend", *FAST, "-o", tmp_path / "x")
+    r = qcompile("distill", "--teacher", teacher_dir, "--student", int4, "--target", "vllm", *FAST, "-o", tmp_path / "x")
     assert r.returncode == 2 and r.stderr.count("\n") == 1
-    assert "target 'ascend' cannot run" in r.stderr and "down_proj" in r.stderr
+    assert "target 'vllm' cannot run" in r.stderr and "down_proj" in r.stderr
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
 
 
