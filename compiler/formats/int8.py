@@ -122,6 +122,7 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("bias", torch.empty(n, dtype=dtype) if bias else None)
         self._pack = DerivedTensor()  # the kernel's layout of ``weight`` (never saved)
         self._float_weight = DerivedTensor()  # W8A16's dequantized weight in the model dtype (never saved)
+        self._float_bias = DerivedTensor()  # the bias in float32, as the kernel takes it (never saved)
 
     @property
     def quantizes_activations(self) -> bool:
@@ -194,16 +195,18 @@ class Int8Linear(QuantizedLinear):
         """Free the derived copies (rebuilt on the next forward)."""
         self._pack.drop()
         self._float_weight.drop()
+        self._float_bias.drop()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if not self.quantizes_activations:
             w = self._float_weight.get((self.weight, self.weight_scale), lambda: self.dequantized_weight().to(x.dtype))
-            y = F.linear(x2, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            y = F.linear(x2, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))  # .to: free when equal
         elif x.is_cpu and w8a8_unavailable_reason() is None:
             fmt = self.format
-            y = w8a8_matmul(x2, self._packed(), self.weight_scale, None if self.bias is None else self.bias.float(),
+            bias = None if self.bias is None else self._float_bias.get((self.bias,), lambda: self.bias.float())
+            y = w8a8_matmul(x2, self._packed(), self.weight_scale, bias,
                             input_scale=self.input_scale, input_zero_point=self.input_zero_point,
                             symmetric=fmt.activation_symmetric)
         else:
