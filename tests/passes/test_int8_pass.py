@@ -15,7 +15,7 @@ from compiler.model.fusion import fuse_projections
 from compiler.pipeline import PassContext, PipelineConfig
 from compiler.pipeline.calibration import InputRequest
 from compiler.pipeline.compile import compile_loaded
-from passes.int8 import Int8Options, Int8Pass, smooth
+from passes.int8 import Int8Options, Int8Pass, smooth, static_qparams
 
 CALIB = {"corpus": "pydoc", "samples": 4, "seq_len": 64, "seed": 0}
 
@@ -42,7 +42,7 @@ def rel(a, b) -> float:
 @pytest.mark.parametrize("options, bound", [
     ({}, 0.1),
     ({"activation_symmetric": False}, 0.1),
-    ({"activation_scheme": "static"}, 0.15),
+    ({"activation_scheme": "static", "smoothing_strength": 0.5}, 0.1),
     ({"activation_scheme": "none"}, 0.06),
     ({"smoothing": "all", "smoothing_strength": 0.5, "weight_rounding": "nearest"}, 0.1),
 ])
@@ -78,9 +78,41 @@ def test_smoothing_leaves_the_float_model_unchanged(tiny):
     ranges = op._statistics(model, context, {f"layers.{i}.{g.linears[0]}": InputRequest(channel_range=True)
                                              for i, g in groups}, "ranges")
     norm_before = model.layers[0].input_layernorm.weight.clone()
-    smooth(model, groups, ranges, 0.7)
+    columns = smooth(model, groups, ranges, 0.7)
     assert not torch.equal(model.layers[0].input_layernorm.weight, norm_before)  # it did fold something
     assert rel(model(ids()), before) < 1e-5
+    # a static range taken before smoothing, divided by the column scales, is the one taken after it
+    after = op._statistics(model, context, {n: InputRequest(channel_range=True) for n in ranges}, "ranges")
+    for name in ranges:
+        scale, zero = static_qparams(ranges[name], False, columns=columns[name])
+        scale_after, zero_after = static_qparams(after[name], False)
+        assert abs(scale - scale_after) <= 1e-5 * scale_after and abs(zero - zero_after) <= 1, name
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "static"])
+@torch.no_grad()
+def test_the_per_group_strengths_have_the_least_layer_error(tiny, scheme):
+    """Each group's searched α is the grid's least output error on its rows: their sum is below
+    every single α's, on a model with an outlier channel."""
+    loaded = tiny()
+    model = loaded.model
+    for layer in model.layers:
+        layer.input_layernorm.weight[3] *= 40
+    op = Int8Pass(Int8Options(activation_scheme=scheme, smoothing_grid=[0.2, 0.5, 0.8]))
+    groups = op._groups(model)
+    context = PassContext(loaded.tokenizer, PipelineConfig.from_dict({"calibration": CALIB}).calibration)
+    ranges = op._statistics(model, context, {f"layers.{i}.{g.linears[0]}": InputRequest(channel_range=True, rows=64)
+                                             for i, g in groups}, "ranges")
+    searched = op._search_per_group(model, groups, ranges)
+
+    def total(alphas):
+        return sum(op._group_error(model.layers[i], g, model.config, ranges[f"layers.{i}.{g.linears[0]}"], a)
+                   for (i, g), a in zip(groups, alphas))
+
+    singles = {a: total([a] * len(groups)) for a in (0.2, 0.5, 0.8)}
+    print(searched, total(searched), singles)
+    assert len(set(searched)) > 1  # the groups disagree: one α does not suit all
+    assert all(total(searched) < single for single in singles.values())
 
 
 @torch.no_grad()
@@ -137,9 +169,12 @@ def test_the_strength_is_chosen_on_the_validation_split(tiny, tmp_path, monkeypa
     loaded = tiny()
     result = compile_loaded(loaded, pipeline(smoothing_grid=[0.2, 0.5, 0.8], validation_windows=2), tmp_path / "a")
     metrics = read_manifest(result.path)["passes"][-1]["metrics"]
-    scores = metrics["validation_nll_by_strength"]
-    assert set(scores) == {"0.2", "0.5", "0.8"}
-    assert metrics["smoothing_strength"] == float(min(scores, key=scores.get))
+    scores = metrics["validation_kl_by_strength"]
+    assert set(scores) == set(metrics["validation_nll_by_strength"]) == {"0.2", "0.5", "0.8", "per group"}
+    chosen = min(scores, key=scores.get)
+    assert metrics["smoothing_strength"] == (chosen if chosen == "per group" else float(chosen))
+    if chosen == "per group":
+        assert len(metrics["smoothing_strength_by_group"]) == 2 * 4  # 2 layers, 4 groups each
     from compiler.pipeline.evaluate import corpus_split
     split = corpus_split(loaded.tokenizer, "pydoc")
     assert len(regions) == 1 and torch.equal(regions[0], split.validation)
