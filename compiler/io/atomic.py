@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from compiler.errors import ArtifactError
 
@@ -68,6 +70,14 @@ def atomic_directory_write(out: Path, write, force: bool = False) -> None:
 
 def atomic_file_write(path: str | Path, write, force: bool = False) -> None:
     """Call ``write(tmp_path)`` beside ``path``, then rename the file into place."""
+    with atomic_file(path, force) as tmp:
+        write(tmp)
+
+
+@contextmanager
+def atomic_file(path: str | Path, force: bool = False) -> Iterator[Path]:
+    """A temp path beside ``path`` to write (for a writer that streams); renamed into place when the
+    block ends, removed if it raises."""
     path = Path(path)
     if path.exists() and not force:
         raise ArtifactError(f"{path} already exists; choose another -o or pass --force to replace it")
@@ -75,7 +85,7 @@ def atomic_file_write(path: str | Path, write, force: bool = False) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
-        write(Path(tmp))
+        yield Path(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())

@@ -64,16 +64,33 @@ def eval_cmd(
     corpus: str = typer.Option("pydoc", help="pydoc, a .txt file, a folder of .txt, or FILE.jsonl[:field]."),
     windows: int = typer.Option(16, min=1, help="Number of 512-token evaluation windows."),
     split: str = typer.Option("evaluation", help="evaluation (reported figures) or validation (for choosing settings)."),
+    reference: Optional[str] = typer.Option(None, "--reference", help="Compare with this model (checkpoint, artifact) "
+                                            "or reference file: llama.cpp's KL-divergence statistics."),
+    save_reference: Optional[Path] = typer.Option(None, "--save-reference", dir_okay=False, help="Also write the "
+                                                  "reference model's log-probs to this file, to pass as --reference later."),
+    plot: Optional[Path] = typer.Option(None, "--plot", dir_okay=False, help="Draw the histogram of per-token KL "
+                                        "divergence to this PNG (with --reference)."),
     as_json: bool = json_option(),
     output_json: Optional[Path] = output_json_option(),
     allow_pickle: bool = typer.Option(False, "--allow-pickle"),
     dtype: str = typer.Option("float32", help="Compute dtype for checkpoints (artifacts keep their own)."),
 ):
-    """Perplexity on the evaluation (or validation) region of a corpus (the shared protocol)."""
+    """Perplexity on the evaluation (or validation) region of a corpus (the shared protocol); with
+    --reference, llama.cpp's KL-divergence statistics against a reference model on the same windows."""
     from compiler.io.load import load_checkpoint
-    from compiler.pipeline.evaluate import evaluate_perplexity
+    from compiler.pipeline.evaluate import check_reference_options, compare_to_reference, evaluate_perplexity, load_reference
+    from qcompile.cli.report import print_kl_divergence
 
+    check_reference_options(reference, save_reference, plot)
     loaded = load_checkpoint(path, dtype, allow_pickle)
+    if reference is not None:
+        ref = load_reference(reference, dtype, allow_pickle)
+        result = compare_to_reference(loaded, ref, corpus, windows, split, save_reference, plot)
+        emit(result, as_json, output_json, lambda: print_kl_divergence(out, result))
+        for written in (save_reference, plot):
+            if written is not None:
+                (err if as_json else out).print(f"wrote {written}")
+        return
     result = evaluate_perplexity(loaded, corpus, windows, split=split)
     summary = {"ppl": result["ppl"], "tokens": result["tokens"], "corpus": corpus, "split": split, "windows": windows}
     emit(summary, as_json, output_json, lambda: out.print(

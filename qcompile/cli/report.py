@@ -1,4 +1,5 @@
-"""Tables for pass reports and artifact summaries (``qcompile compile`` / ``inspect``)."""
+"""Tables for pass reports and artifact summaries (``qcompile compile`` / ``inspect``), and the KL-divergence
+statistics of ``qcompile eval --reference``."""
 from __future__ import annotations
 
 from collections import Counter
@@ -48,3 +49,41 @@ def print_summary(console: Console, s: dict) -> None:
     console.print(f"qcompile's CPU kernels here: {s['cpu_isa'] or 'none'}")
     console.print(f"size on disk: weights {size['weights_bytes'] / 2**20:.1f} MiB, artifact {size['total_bytes'] / 2**20:.1f} MiB; "
                   f"source checkpoint {size['source_bytes'] / 2**20:.1f} MiB")
+
+
+# (label, key, how to show it) in llama.cpp's order and wording (``llama-perplexity --kl-divergence``).
+KL_ROWS = (
+    ("Mean PPL(Q)", "ppl", "plain"),
+    ("Mean PPL(base)", "ppl_base", "plain"),
+    ("Cor(ln(PPL(Q)), ln(PPL(base)))", "ln_ppl_correlation", "percent"),
+    ("Mean ln(PPL(Q)/PPL(base))", "ln_ppl_ratio", "plain"),
+    ("Mean PPL(Q)/PPL(base)", "ppl_ratio", "plain"),
+    ("Mean PPL(Q)-PPL(base)", "ppl_diff", "plain"),
+    ("Mean KLD", "kld_mean", "plain"),
+    ("Maximum KLD", "kld_max", "plain"),
+    ("99.9% KLD", "kld_99_9", "plain"),
+    ("99.0% KLD", "kld_99", "plain"),
+    ("95.0% KLD", "kld_95", "plain"),
+    ("90.0% KLD", "kld_90", "plain"),
+    ("Median KLD", "kld_median", "plain"),
+    ("Minimum KLD", "kld_min", "plain"),
+    ("Mean Δp", "dp_mean", "percent"),
+    ("RMS Δp", "rms_dp", "percent"),
+    ("Same top p", "same_top", "percent"),
+)
+
+
+def print_kl_divergence(console: Console, result: dict) -> None:
+    saved_from = f" (saved from {result['reference_model']})" if result["reference_model"] != result["reference"] else ""
+    console.print(f"KL divergence against {result['reference']}{saved_from}: {result['tokens']} tokens of "
+                  f"{result['corpus']}, {result['split']} region, {result['windows']} windows", markup=False)
+    table = Table()
+    for col in ("statistic", "value", "±"):
+        table.add_column(col, justify="left" if col == "statistic" else "right")
+    for label, key, how in KL_ROWS:
+        value, uncertainty = result[key], result.get(f"{key}_uncertainty")
+        if value is None:  # the correlation, undefined for a handful of tokens
+            continue
+        show = (lambda v: f"{100 * v:.3f} %") if how == "percent" else (lambda v: f"{v:.6f}")
+        table.add_row(label, show(value), "" if uncertainty is None else show(uncertainty))
+    console.print(table)

@@ -59,6 +59,19 @@ def test_compile_takes_a_loaded_model_and_a_toml_file(checkpoint, tmp_path):
     assert qcompile.inspect(tmp_path / "float")["formats"] == {"float32": 16}  # 14 linears, lm_head, embeddings
 
 
+def test_evaluate_against_a_reference(checkpoint, tmp_path):
+    """The KL-divergence statistics, a reference file saved and reused: the CLI's --json dict."""
+    path, _ = checkpoint
+    model = qcompile.load(path)
+    live = qcompile.evaluate(model, windows=1, reference=path, save_reference=tmp_path / "ref.kld")
+    assert live["kld_mean"] == 0 and live["same_top"] == 1 and live["tokens"] == 511
+    from_file = qcompile.evaluate(path, windows=1, reference=tmp_path / "ref.kld")
+    assert from_file["reference"] == str(tmp_path / "ref.kld") and from_file["ppl_base"] == pytest.approx(live["ppl"])
+    assert set(from_file) == set(live) >= {"ppl", "ppl_base", "kld_mean", "kld_99", "rms_dp", "same_top", "corpus"}
+    with pytest.raises(ConfigError, match="--plot needs a reference"):
+        qcompile.evaluate(model, windows=1, plot=tmp_path / "kld.png")
+
+
 def test_errors_are_qcompile_errors(tmp_path):
     with pytest.raises(QCompileError, match="no such file"):
         qcompile.load(tmp_path / "missing")

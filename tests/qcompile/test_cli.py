@@ -69,6 +69,44 @@ def test_bad_inputs_exit_nonzero(tmp_path):
     assert r.returncode == 2  # click's own usage error
 
 
+def test_eval_against_a_reference(tiny_checkpoint_with_tokenizer, tmp_path):
+    """llama.cpp's KL-divergence table against a model, its reference file reused, --json and --plot."""
+    reference, _ = tiny_checkpoint_with_tokenizer("llama")
+    candidate, _ = tiny_checkpoint_with_tokenizer("mistral")  # the same tokenizer, other weights
+    ref_file, png = tmp_path / "ref.kld", tmp_path / "kld.png"
+    r = qcompile("eval", candidate, "--reference", reference, "--windows", "2", "--save-reference", ref_file, "--plot", png)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split("│")[1].strip(): line for line in r.stdout.splitlines() if line.count("│") == 4}
+    for label in ("Mean PPL(Q)", "Mean PPL(base)", "Cor(ln(PPL(Q)), ln(PPL(base)))", "Mean ln(PPL(Q)/PPL(base))",
+                  "Mean KLD", "99.9% KLD", "Median KLD", "Minimum KLD", "RMS Δp", "Same top p"):
+        assert label in rows, label  # whole rows, though stdout is no terminal
+    assert rows["Mean KLD"].split("│")[3].strip() and rows["Same top p"].rstrip("│ ").endswith("%")  # ± given
+    assert f"wrote {ref_file}" in r.stdout and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    r = qcompile("eval", candidate, "--reference", ref_file, "--windows", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert {"ppl", "ppl_base", "ln_ppl_ratio", "ln_ppl_ratio_uncertainty", "kld_mean", "kld_mean_uncertainty",
+            "kld_median", "kld_90", "kld_95", "kld_99", "kld_99_9", "kld_max", "kld_min", "rms_dp",
+            "rms_dp_uncertainty", "same_top", "same_top_uncertainty"} <= set(result)
+    assert result["tokens"] == 2 * 511 and result["windows"] == 2 and result["reference"] == str(ref_file)
+    assert result["kld_mean"] > 0 and 0 <= result["same_top"] <= 1
+
+
+def test_eval_reference_bad_inputs(tiny_checkpoint_with_tokenizer, tmp_path):
+    model, _ = tiny_checkpoint_with_tokenizer("llama")
+    ref_file = tmp_path / "ref.kld"
+    assert qcompile("eval", model, "--reference", model, "--windows", "1", "--save-reference", ref_file).returncode == 0
+    for args, message in [
+        (["--plot", tmp_path / "kld.png"], "--plot needs a reference to compare with"),
+        (["--reference", ref_file, "--save-reference", tmp_path / "again.kld"], "is already a reference file"),
+        (["--reference", ref_file, "--windows", "2"], "pass --windows 1"),
+    ]:
+        r = qcompile("eval", model, *args)
+        assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
 @pytest.mark.slow
 def test_smollm2_perplexity_protocol():
     """The issue's figure: transformers' own forward gives 11.327 on pydoc, 16 windows."""
