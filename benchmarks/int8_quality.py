@@ -111,7 +111,7 @@ def main() -> None:
                 rows.append({"variant": label, "corpus": corpus, "windows": len(windows), "ppl": scores["ppl_student"],
                              "kl": scores["kl"], "top1": scores["top1_agreement"],
                              "smoothing_strength": metrics.get("smoothing_strength"),
-                             "mean_rel_error": metrics.get("mean_rel_error"), "compile_s": compile_s})
+                             "mean_output_error": metrics.get("mean_output_error"), "compile_s": compile_s})
                 console.print(f"{label} on {corpus}: ppl {scores['ppl_student']:.4f}, KL {scores['kl']:.5f}, "
                               f"top-1 {scores['top1_agreement']:.4f}")
             del model

@@ -19,6 +19,21 @@ or fewer. Sums are float64; one float32 KLD per position is kept for the percent
 bytes per token, never the logits). A non-finite result raises ``FloatingPointError``.
 
 ``CompactLogits`` is llama.cpp's compact form of reference logits (``--kl-divergence-base``).
+
+A candidate that returns only some tokens' log-probabilities per position (a server's top-k with
+the target: ``TopLogProbs``) gets the same statistics from what it returns. NLL, PPL, Δp and same
+top are exact (the top token is in every top-k, the target is returned). The KLD is the KL
+divergence between the two distributions collapsed onto the cells {each returned token whose
+ln p_base > -16} and {every other token}:
+
+    KLD_top = Σ_{j returned, ln p_base(j) > -16} p_j · (ln p_j - ln q_j) + p_rest · (ln p_rest - ln q_rest)
+    p_rest  = Σ of p_base over the other tokens with ln p_base > -16 (the cut, as the full KLD's)
+    q_rest  = 1 - Σ of the candidate's returned q_j over the same cells, at least ``REST_FLOOR``
+
+By the log-sum inequality, Σ over the other kept tokens of p · ln(p / q) ≥ p_rest · ln(p_rest / Σ q)
+≥ p_rest · ln(p_rest / q_rest) (their q sum to at most q_rest), so KLD_top is a lower bound of the
+full KLD, position by position, with the same cut; equal to it when every kept token is returned.
+Flooring q_rest only lowers it further.
 """
 from __future__ import annotations
 
@@ -37,6 +52,9 @@ COMPACT_LEVELS = 65535  # uint16 codes 0..65535
 PERCENTILES = {"kld_99_9": 0.999, "kld_99": 0.99, "kld_95": 0.95, "kld_90": 0.90, "kld_median": 0.5}
 # Rows processed at once: log-probs in float64 for about this many vocabulary entries (32 MiB each).
 CHUNK_ELEMENTS = 1 << 22
+# The least candidate mass of the tokens a top-k runtime did not return: returned log-probs are float32,
+# whose probabilities sum to 1 within about 1e-6, so 1 - their sum is not resolved below that.
+REST_FLOOR = 1e-6
 
 
 @dataclass
@@ -104,6 +122,43 @@ class CompactLogits:
         return ReferenceRows(log_probs, self.target_log_probs[start:stop].double(), self.top_tokens[start:stop].long())
 
 
+@dataclass
+class TopLogProbs:
+    """A candidate's log-probabilities of a few tokens at N scored positions (a server's top-k and
+    the target), where it returns no more."""
+
+    tokens: torch.Tensor  # [N, m] int64 token ids, distinct within a row; -1 pads a row that has fewer
+    log_probs: torch.Tensor  # [N, m] ln q of those tokens (-inf where padded)
+    target_log_probs: torch.Tensor  # [N] ln q(target)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def rows(self, start: int, stop: int) -> "TopLogProbs":
+        return TopLogProbs(self.tokens[start:stop], self.log_probs[start:stop], self.target_log_probs[start:stop])
+
+    @staticmethod
+    def from_logits(logits: torch.Tensor, targets: torch.Tensor, k: int) -> "TopLogProbs":
+        """What a runtime returning the top ``k`` and the target would give for ``logits`` [N, V]."""
+        log_q = torch.log_softmax(logits.double(), dim=-1)
+        top = log_q.topk(k, dim=-1).indices
+        target_in_top = (top == targets[:, None]).any(dim=-1, keepdim=True)
+        tokens = torch.cat([top, torch.where(target_in_top, -1, targets[:, None])], dim=1)
+        log_probs = torch.where(tokens >= 0, log_q.gather(1, tokens.clamp_min(0)), -math.inf)
+        return TopLogProbs(tokens, log_probs, log_q.gather(1, targets[:, None])[:, 0])
+
+    @staticmethod
+    def concat(parts: "list[TopLogProbs]") -> "TopLogProbs":
+        """The positions of ``parts`` in order, rows padded to the widest."""
+        width = max(part.tokens.shape[1] for part in parts)
+
+        def pad(x: torch.Tensor, value: float) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+        return TopLogProbs(torch.cat([pad(p.tokens, -1) for p in parts]), torch.cat([pad(p.log_probs, -math.inf) for p in parts]),
+                           torch.cat([p.target_log_probs for p in parts]))
+
+
 def encode_compact(logits: torch.Tensor, targets: torch.Tensor) -> CompactLogits:
     """``logits`` [N, V] at N scored positions and their targets [N] in llama.cpp's compact form."""
     step = _chunk_rows(logits)
@@ -128,6 +183,21 @@ def _chunk_rows(logits: torch.Tensor) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, logits.shape[-1]))
 
 
+def top_kld(ref_log_p: torch.Tensor, top: TopLogProbs) -> torch.Tensor:
+    """KLD_top of each row (module docstring): ``ref_log_p`` [n, V] float64, ``top`` the candidate's n rows."""
+    tokens = top.tokens.to(ref_log_p.device)
+    log_q = top.log_probs.to(ref_log_p.device).double()
+    ref_at = ref_log_p.gather(1, tokens.clamp_min(0))
+    own = (tokens >= 0) & (ref_at > KLD_LOG_PROB_FLOOR)  # the cells of their own
+    head = torch.where(own, ref_at.exp() * (ref_at - log_q), 0.0).sum(dim=-1)
+    # p_rest summed over the tokens themselves, not as 1 - Σ p: no cancellation when the head holds nearly all
+    in_own = torch.zeros_like(ref_log_p).scatter_add_(1, tokens.clamp_min(0), own.double()) > 0
+    p_rest = torch.where((ref_log_p > KLD_LOG_PROB_FLOOR) & ~in_own, ref_log_p.exp(), 0.0).sum(dim=-1)
+    q_rest = (1 - torch.where(own, log_q.exp(), 0.0).sum(dim=-1)).clamp_min(REST_FLOOR)
+    rest = torch.where(p_rest > 0, p_rest * (p_rest.clamp_min(1e-300).log() - q_rest.log()), 0.0)
+    return head + rest
+
+
 class KLDivergence:
     """Accumulates llama.cpp's statistics over scored positions; ``add`` a batch, then ``result()``."""
 
@@ -138,28 +208,43 @@ class KLDivergence:
         self.count = 0
         self._token_kld: list[np.ndarray] = []
 
-    def add(self, reference: Reference, candidate_logits: torch.Tensor, targets: torch.Tensor) -> None:
-        """Positions where the candidate gave ``candidate_logits`` [N, V] and the target tokens were ``targets`` [N]."""
-        if len(reference) != len(candidate_logits) or len(targets) != len(candidate_logits):
-            raise ValueError(f"{len(candidate_logits)} candidate positions, {len(reference)} reference, {len(targets)} targets")
-        step = _chunk_rows(candidate_logits)
-        for start in range(0, len(candidate_logits), step):
-            stop = min(start + step, len(candidate_logits))
-            self._add_rows(reference.rows(start, stop), candidate_logits[start:stop], targets[start:stop])
+    def add(self, reference: Reference, candidate: torch.Tensor | TopLogProbs, targets: torch.Tensor) -> None:
+        """Positions where the candidate gave ``candidate`` — logits [N, V], or ``TopLogProbs`` of N
+        positions — and the target tokens were ``targets`` [N]."""
+        if len(reference) != len(candidate) or len(targets) != len(candidate):
+            raise ValueError(f"{len(candidate)} candidate positions, {len(reference)} reference, {len(targets)} targets")
+        step = _chunk_rows(candidate if isinstance(candidate, torch.Tensor) else reference.rows(0, 1).log_probs)
+        for start in range(0, len(candidate), step):
+            stop = min(start + step, len(candidate))
+            if isinstance(candidate, TopLogProbs):
+                self._add_top_rows(reference.rows(start, stop), candidate.rows(start, stop))
+            else:
+                self._add_rows(reference.rows(start, stop), candidate[start:stop], targets[start:stop])
 
     def _add_rows(self, ref: ReferenceRows, logits: torch.Tensor, targets: torch.Tensor) -> None:
         _check_finite(logits, "the candidate model produced NaN or Inf logits")
-        _check_finite(ref.target_log_probs, "the reference model produced NaN or Inf logits")
         log_q = torch.log_softmax(logits.double(), dim=-1)
         ref_log_p = ref.log_probs.to(log_q.device)
-        targets = targets.to(log_q.device)
-        nll = -log_q.gather(1, targets[:, None])[:, 0]
-        nll_base = -ref.target_log_probs.to(log_q.device)
         kept = ref_log_p > KLD_LOG_PROB_FLOOR
         kld = torch.where(kept, ref_log_p.exp() * (ref_log_p - log_q), 0.0).sum(dim=-1)
+        target_log_q = log_q.gather(1, targets.to(log_q.device)[:, None])[:, 0]
+        self._accumulate(ref, target_log_q, kld, logits.argmax(dim=-1))
+
+    def _add_top_rows(self, ref: ReferenceRows, top: TopLogProbs) -> None:
+        _check_finite(top.target_log_probs, "the candidate model produced NaN or Inf log-probabilities")
+        top_tokens = top.tokens.gather(1, top.log_probs.argmax(dim=-1, keepdim=True))[:, 0]
+        self._accumulate(ref, top.target_log_probs.double(), top_kld(ref.log_probs.double(), top), top_tokens)
+
+    def _accumulate(self, ref: ReferenceRows, target_log_q: torch.Tensor, kld: torch.Tensor,
+                    top_tokens: torch.Tensor) -> None:
+        """One chunk of positions: the candidate's ln q(target), KLD and most likely token at each."""
+        _check_finite(ref.target_log_probs, "the reference model produced NaN or Inf logits")
         _check_finite(kld, "the KL divergence is not finite: the candidate gives a probability of 0 where the reference does not, or the reference holds NaN")
+        device = kld.device
+        nll = -target_log_q.to(device)
+        nll_base = -ref.target_log_probs.to(device)
         dp = (-nll).exp() - (-nll_base).exp()
-        same_top = logits.argmax(dim=-1) == ref.top_tokens.to(log_q.device)
+        same_top = top_tokens.to(device) == ref.top_tokens.to(device)
         for name, values in (("nll", nll), ("nll2", nll**2), ("nll_base", nll_base), ("nll_base2", nll_base**2),
                              ("nll_nll_base", nll * nll_base), ("kld", kld), ("kld2", kld**2), ("dp", dp),
                              ("dp2", dp**2), ("dp4", dp**4), ("same_top", same_top.double())):

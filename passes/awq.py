@@ -22,8 +22,15 @@ comes (``AwqStream`` serves both):
 4. clip search per (row, group): the max-value shrink ratio minimising output error.
 5. quantize (asymmetric INT4 with zero points, or symmetric) into ``Int4Linear``: the scales and
    zero points of the clipped groups, the codes by GPTQ's error-compensating rounding over the
-   same Gram matrix (``weight_rounding = "gptq"``, the default; "nearest" is plain AWQ). A layer
-   whose relative output error exceeds ``max_layer_error`` is retried with smaller groups.
+   same Gram matrix (``weight_rounding = "gptq"``, the default; "nearest" is plain AWQ), the scales
+   then re-fit to those codes with ``scale_refit``. A layer whose relative output error (its row's
+   ``output_error``) exceeds ``max_layer_error`` is retried with smaller groups.
+
+Bits by sensitivity: ``format = "gguf:q4_k_m"`` (Q6_K) and ``average_bits`` (INT8 W8A16) also
+quantize every layer on a wider grid, and after the last block give it to the layers (units:
+``sensitivity_unit``) whose output error it lowers most per extra bit, within a budget
+(``AwqStream.upgrade_sensitive``); ``sensitivity = "kl"`` then measures each layer's end-to-end
+KL alone (``AwqStream.measure_kl_alone``). The options: ``passes/awq_plan.py``.
 
 ``lm_head`` stays in float by default (``modules_to_not_convert``). Let through, it is the last
 scaling group (final norm → lm_head) on the last block's outputs, after every block; a head tied
@@ -42,13 +49,17 @@ calibration set; the module forwards run only for the shortlist, on a few sequen
 """
 from __future__ import annotations
 
+import copy
 import re
-from dataclasses import replace
+from collections import defaultdict
+from dataclasses import dataclass, replace
 
 import torch
 
 from compiler.deploy.targets import get_target
 from compiler.errors import ConfigError
+from compiler.formats.gguf_block import GgufLinear
+from compiler.formats.int4 import Int4Linear
 from compiler.model.moe import every_token_to, router_names
 from compiler.pipeline import (
     BlockStream,
@@ -65,7 +76,7 @@ from compiler.pipeline.calibration import (
     collect_block,
 )
 from compiler.pipeline.memory import converted_weights
-from compiler.quant.gguf_blocks import BLOCK_TYPES
+from compiler.progress import track
 from passes.awq_mappings import (
     NO_CLIP,
     SMOOTHING,
@@ -74,11 +85,12 @@ from passes.awq_mappings import (
     fold_scales,
     layer_groups,
 )
-from passes.awq_grid import grid_of
+from passes.awq_grid import GgufGrid, Int8Grid, grid_of
 from passes.awq_plan import (
     AWQOptions,
     LayerPlan,
     awq_working_memory,
+    compact_names,
     plan_layers,
     q4_k_m_budget,
     smaller_groups,
@@ -91,6 +103,7 @@ from passes.awq_search import (
     search_clip,
     weight_mean,
 )
+from passes.distill.evaluate import compare_on_windows, teacher_logits
 from passes.moe_calibration import expert_of, experts_of, starved_linears, starved_reason
 
 
@@ -114,8 +127,9 @@ class AWQPass(Pass):
         return {name: p.format(self.options.zero_point) for name, p in plans.items()}
 
     def scope(self, config):
-        # gguf:q4_k_m chooses its Q6_K layers over the whole model, after the last block: not one block at a time
-        return "model" if self.options.format == "gguf:q4_k_m" else "block"
+        # q4_k_m's and average_bits' wider layers are chosen over the whole model after the last block, and the
+        # KL of a layer alone needs the whole float model: not one block at a time
+        return "model" if spends_bits(self.options) or self.options.sensitivity == "kl" else "block"
 
     def working_memory(self, config, calibration, dtype_bytes, streamed):
         terms = awq_working_memory(config, calibration, self.options, dtype_bytes)
@@ -126,6 +140,11 @@ class AWQPass(Pass):
         else:  # a byte per code and a float16 scale per 16-32 weights; q4_k_m also keeps each layer's Q6_K candidate
             candidates = 2 if self.options.format == "gguf:q4_k_m" else 1
             terms["GGUF block codes (every block)"] = converted_weights(config, candidates * (1 + 2 / 16))
+        if self.options.average_bits is not None:
+            terms["INT8 candidates (every block)"] = converted_weights(config, 1)
+        if self.options.sensitivity == "kl":
+            head = config.vocab_size * config.dim * (1 if config.tie_embeddings else 2)
+            terms["float copy of the model (sensitivity \"kl\")"] = converted_weights(config, dtype_bytes) + head * dtype_bytes
         return terms
 
     def stream(self, model: torch.nn.Module, context: PassContext) -> "AwqStream":
@@ -155,6 +174,41 @@ def capture_on_every_token(block, names: list[str], x, cos, sin, positions, samp
 HEAD_GROUP = ScalingGroup("norm", ("lm_head",))
 
 
+def spends_bits(opts: AWQOptions) -> bool:
+    """Whether some layers get a wider grid by measured sensitivity (``upgrade_sensitive``)."""
+    return opts.format == "gguf:q4_k_m" or opts.average_bits is not None
+
+
+def sensitivity_unit(name: str, opts: AWQOptions) -> str:
+    """The layers that get the wider grid together: with ``average_bits`` what vLLM and the engine run as
+    one layer (a block's q/k/v, its gate/up, a MoE layer's experts: one scheme each); q4_k_m's Q6_K is
+    per tensor, as llama.cpp's recipe."""
+    if opts.average_bits is None:
+        return name
+    name = re.sub(r"\.experts\.\d+\.\w+$", ".experts", name)
+    return re.sub(r"\.(gate_proj|up_proj)$", ".gate_up", re.sub(r"\.(q_proj|k_proj|v_proj)$", ".qkv", name))
+
+
+def stored_bits(module: torch.nn.Module) -> float:
+    """The bits a converted layer takes where it is deployed: a GGUF block type's in the file, else its
+    buffers as the artifact stores them (``qcompile inspect``'s bits per weight)."""
+    if isinstance(module, GgufLinear):
+        return module.type.bits * module.codes.numel()
+    return 8.0 * sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
+@dataclass
+class Candidate:
+    """A layer's wider-grid module, kept until ``upgrade_sensitive`` decides."""
+
+    name: str
+    row: LayerDecision
+    module: torch.nn.Module
+    clip: torch.Tensor
+    error: float
+    extra_bits: float  # over the module the layer holds now
+
+
 class AwqStream(BlockStream):
     """The pass over one block at a time: the calibration inputs flow from block to block."""
 
@@ -162,6 +216,7 @@ class AwqStream(BlockStream):
     def __init__(self, awq: AWQPass, model: torch.nn.Module, context: PassContext):
         self.model, self.opts, self.target = model, awq.options, context.target
         self.plans, excluded = plan_layers(model.config, self.opts)
+        self.weights = sum(p.in_features * p.out_features for p in self.plans.values())  # of the converted layers
         self.windows = context.calibration_windows()  # [S, T]
         self.report = PassReport(awq.name)
         self.report.layers += [LayerDecision(n, "float", f"modules_to_not_convert {p!r}") for n, p in excluded.items()]
@@ -174,7 +229,11 @@ class AwqStream(BlockStream):
         self.cos, self.sin = model.rope(self.positions, self.x.dtype)
         self.k = min(self.opts.module_sequences, self.positions.shape[0])
         self.starved = 0
-        self.wider: list[tuple] = []  # gguf:q4_k_m: (linear, its row, module, clip, error) on the wider type
+        self.wider: list[Candidate] = []  # q4_k_m's Q6_K, average_bits' INT8
+        self.context = context
+        self.reference = copy.deepcopy(model) if self.opts.sensitivity == "kl" else None  # folded float, block by block
+        if self.opts.average_bits is not None:
+            self._check_average_bits()
 
     @torch.no_grad()
     def block(self, index: int) -> None:
@@ -184,14 +243,27 @@ class AwqStream(BlockStream):
         block_inputs = self.x
         self.x, stats = capture(block, groups, self.x, *rope, self.sampler)
         worker = BlockQuantizer(self.model, f"layers.{index}.", self.plans, self.opts, self.target, groups)
+        worker.on_folded = lambda: self._keep_float(f"layers.{index}")
         worker.count_experts(stats, self.windows.numel())
         if worker.starved and self.opts.starved_experts == "all_tokens":
             stats |= capture_on_every_token(block, worker.starved, block_inputs, *rope, self.sampler)
         self.starved += sum(len(experts) for experts in experts_of(worker.starved).values())
         rows = worker.run(stats, sample)
         self.report.layers += rows
+        self._keep_candidates(worker, rows)
+
+    def _keep_candidates(self, worker: "BlockQuantizer", rows: list[LayerDecision]) -> None:
         by_name = {row.module: row for row in rows}
-        self.wider += [(f"layers.{index}.{n}", by_name[f"layers.{index}.{n}"], *c) for n, c in worker.wider.items()]
+        for n, (module, clip, err) in worker.wider.items():
+            name = worker.prefix + n
+            extra = stored_bits(module) - stored_bits(self.model.get_submodule(name))
+            self.wider.append(Candidate(name, by_name[name], module, clip, err, extra))
+
+    def _keep_float(self, *names: str) -> None:
+        """``sensitivity = "kl"``: the float modules with AWQ's scales folded in, for the float model."""
+        if self.reference is not None:
+            for name in names:
+                self.reference.set_submodule(name, copy.deepcopy(self.model.get_submodule(name)))
 
     @torch.no_grad()
     def quantize_head(self) -> None:
@@ -203,31 +275,99 @@ class AwqStream(BlockStream):
         for chunk in self.x.split(self.positions.shape[0]):
             stats.add(model.norm(chunk), self.sampler.draw(chunk.shape[0] * chunk.shape[1]))
         worker = BlockQuantizer(model, "", {head: self.plans[head]}, self.opts, self.target, (HEAD_GROUP,))
-        self.report.layers += worker.run({head: stats}, None)
+        worker.on_folded = lambda: self._keep_float(*HEAD_GROUP.linears, HEAD_GROUP.prev)
+        rows = worker.run({head: stats}, None)
+        self.report.layers += rows
+        self._keep_candidates(worker, rows)
+
+    def _check_average_bits(self) -> None:
+        """Refuse, before any work, an ``average_bits`` below what the INT4 layers alone take."""
+        floor = self.average_bits(int4_only=True)
+        if self.opts.average_bits < floor:
+            raise ConfigError(f"awq: average_bits {self.opts.average_bits} is below the {floor:.3f} bits per weight "
+                              f"INT4 g{self.opts.group_size} takes on this model (scales and zero points included); "
+                              "raise it or use a larger group_size")
+
+    def average_bits(self, int4_only: bool = False) -> float:
+        """Bits per weight over the converted layers as they stand (``int4_only``: as planned, all INT4)."""
+        bits = 0.0
+        for name, plan in self.plans.items():
+            module = self.model.get_submodule(name)
+            if int4_only:
+                with torch.device("meta"):
+                    module = Int4Linear.empty(plan.format(self.opts.zero_point), plan.in_features, plan.out_features,
+                                              module.bias is not None, self.model.embed_tokens.weight.dtype)
+            bits += stored_bits(module)
+        return bits / self.weights
 
     def upgrade_sensitive(self) -> str:
-        """``gguf:q4_k_m``: give the wider type (Q6_K) to the layers whose relative output error it
-        lowers most per extra bit, until the bits llama.cpp's Q4_K_M recipe spends on this model are spent."""
-        budget = q4_k_m_budget(self.opts, self.plans, self.model.config.n_layers)
-        def extra_bits(entry) -> float:
-            name, row, module = entry[:3]
-            return (module.type.bits - BLOCK_TYPES[self.plans[name].block_type].bits) * module.codes.numel()
-        def gain(entry) -> float:
-            return (entry[1].metrics["rel_error_awq"] - entry[4]) / max(extra_bits(entry), 1.0)
-        spent, chosen = 0.0, 0
-        for entry in sorted(self.wider, key=gain, reverse=True):
-            name, row, module, clip, err = entry
-            if spent + extra_bits(entry) > budget:
+        """Give the wider grid (q4_k_m: Q6_K; average_bits: INT8 W8A16) to the units (``sensitivity_unit``)
+        whose relative output error it lowers most per extra bit, greedily, while the budget lasts: the
+        extra bits llama.cpp's Q4_K_M recipe spends on this model, or what ``average_bits`` leaves."""
+        units: dict[str, list[Candidate]] = defaultdict(list)
+        for c in self.wider:
+            units[sensitivity_unit(c.name, self.opts)].append(c)
+        members = defaultdict(int)
+        for name in self.plans:
+            members[sensitivity_unit(name, self.opts)] += 1
+        # a unit some member has no candidate for (an expert rounded RTN) stays as it is
+        units = {key: cs for key, cs in units.items() if len(cs) == members[key]}
+        def extra(cs: list[Candidate]) -> float:
+            return sum(c.extra_bits for c in cs)
+        def gain(cs: list[Candidate]) -> float:
+            return sum(c.row.metrics["output_error"] - c.error for c in cs) / max(extra(cs), 1.0)
+        before = self.average_bits() if self.opts.average_bits is not None else None
+        if before is None:
+            budget = q4_k_m_budget(self.opts, self.plans, self.model.config.n_layers)
+        else:
+            budget = (self.opts.average_bits - before) * self.weights
+        spent, chosen, layers = 0.0, [], 0
+        for key, cs in sorted(units.items(), key=lambda unit: gain(unit[1]), reverse=True):
+            if spent + extra(cs) > budget:
                 continue
-            spent += extra_bits(entry)
-            chosen += 1
-            self.model.set_submodule(name, module)
-            row.reason = f"{row.reason}; q4_k_m: {module.block_type}, measured sensitive (rel error {row.metrics['rel_error_awq']:.4f} -> {err:.4f})"
-            row.format = f"gguf:{module.block_type}"
-            row.metrics.update(rel_error_awq=err, clip_ratio=round(float(clip.mean()), 4))
+            spent += extra(cs)
+            chosen.append(key)
+            layers += len(cs)
+            for c in cs:
+                self._upgrade(c)
         self.wider = []
-        return (f"q4_k_m: {chosen} of the layers in the wider type, chosen by measured error reduction per bit within "
-                f"llama.cpp's Q4_K_M budget for this model ({spent / 8e6:.2f} of {budget / 8e6:.2f} MB extra)")
+        if before is None:
+            return (f"q4_k_m: {layers} of the layers in the wider type, chosen by measured error reduction per bit "
+                    f"within llama.cpp's Q4_K_M budget for this model ({spent / 8e6:.2f} of {budget / 8e6:.2f} MB extra)")
+        return (f"average_bits {self.opts.average_bits}: {layers} of {len(self.plans)} layers in INT8 (W8A16), "
+                "chosen by measured output error reduction per extra bit (q/k/v, gate/up and a layer's experts "
+                f"together): {compact_names(chosen) or 'none'}; {self.average_bits():.3f} bits per weight over the "
+                f"converted layers (all INT4: {before:.3f})")
+
+    def _upgrade(self, c: Candidate) -> None:
+        """Swap in ``c``'s wider module and say so in its row."""
+        self.model.set_submodule(c.name, c.module)
+        row = c.row
+        if isinstance(c.module, GgufLinear):
+            label, row.format = f"q4_k_m: {c.module.block_type}", f"gguf:{c.module.block_type}"
+            row.metrics["clip_ratio"] = round(float(c.clip.mean()), 4)
+        else:
+            label, row.format = "average_bits: int8 W8A16", "int8"
+            for key in ("group_size", "clip_ratio"):  # the INT4 layout's, not the layer's
+                row.metrics.pop(key, None)
+        row.reason = f"{row.reason}; {label}, measured sensitive (output error {row.metrics['output_error']:.4f} -> {c.error:.4f})"
+        row.metrics["output_error"] = c.error
+
+    @torch.no_grad()
+    def measure_kl_alone(self) -> None:
+        """``sensitivity = "kl"``: each converted layer's mean per-token KL from the float model (AWQ's
+        scales folded in, which leaves it the same function) with that layer alone quantized, on the
+        validation windows. One forward over them per layer."""
+        windows = self.context.validation_windows(self.opts.validation_windows)
+        reference, self.reference = self.reference, None
+        logits = teacher_logits(reference, windows)
+        for row in track([r for r in self.report.layers if r.format != "float"], "awq: KL of each layer alone"):
+            float_module = reference.get_submodule(row.module)
+            reference.set_submodule(row.module, self.model.get_submodule(row.module))
+            try:
+                row.metrics["kl_alone"] = compare_on_windows(reference, reference, windows, reference=logits)["kl"]
+            finally:
+                reference.set_submodule(row.module, float_module)
 
     def finish(self) -> PassReport:
         opts, report = self.opts, self.report
@@ -236,7 +376,13 @@ class AwqStream(BlockStream):
         self.x = None  # the last block's outputs: nothing reads them
         if self.wider:
             report.notes.append(self.upgrade_sensitive())
+        if self.reference is not None:
+            self.measure_kl_alone()
+            report.notes.append(f"kl_alone: each layer's KL from the float model with it alone quantized, on "
+                                f"{opts.validation_windows} windows of the calibration corpus' validation region")
         report.metrics = _metrics(report.layers, self.windows, opts)
+        if opts.average_bits is not None:
+            report.metrics["bits_per_weight"] = round(self.average_bits(), 4)
         if self.model.config.spec.is_moe:
             report.metrics["experts_starved"] = self.starved
         scoring = (f"the best {opts.module_candidates} re-scored on self_attn / mlp outputs over {self.k} sequences"
@@ -262,8 +408,9 @@ class BlockQuantizer:
         self.inspected: dict[str, tuple[tuple, torch.Tensor]] = {}  # set by run(); empty: Gram loss only
         self.routed: dict[str, int] = {}  # expert linear (relative name) -> calibration tokens routed to it
         self.starved: list[str] = []  # the converted expert linears below min_expert_tokens
-        self.wider: dict[str, tuple] = {}  # gguf:q4_k_m: (module, clip, error) on the wider type, by linear
+        self.wider: dict[str, tuple] = {}  # (module, clip, error) on the wider grid, by linear (spends_bits)
         self.layer_tokens = 0
+        self.on_folded = lambda: None  # called once the scales are folded, before any quantization
 
     def count_experts(self, stats: dict[str, InputStatistics], layer_tokens: int) -> None:
         """Record each expert linear's routed token count and which converted ones are starved."""
@@ -281,6 +428,7 @@ class BlockQuantizer:
         block inputs (x, cos, sin, positions) of a few calibration sequences for module scoring."""
         self.inspected = self._inspect_modules(sample)
         rows, hessians = self.search_and_fold(stats)
+        self.on_folded()
         left = [n for n in self.plans if n.startswith(self.prefix) and n[len(self.prefix):] not in rows]
         if left:  # a planned linear no scaling group names would stay float against its plan
             raise RuntimeError(f"awq: no scaling group of {self.config.architecture} covers {', '.join(left)}")
@@ -419,9 +567,9 @@ class BlockQuantizer:
             q = self._grid(plan).module(linear, 1.0, None, opts.gptq_damp)
             err = relative_error(w, q.dequantized_weight().float() - w, h) if self.routed[name] else None
             self.block.set_submodule(name, q)
-            return {"group_size": g, "rel_error_awq": err}, None
-        if plan.block_type and (wide := wider_type(opts, plan)):
-            self.wider[name] = self._search_and_round(linear, name, h, self._grid(plan, wide))  # q4_k_m's candidate
+            return {"group_size": g, "output_error": err}, None
+        if (wide := self._wider_grid(plan)) is not None:
+            self.wider[name] = self._search_and_round(linear, name, h, wide)
         while True:
             q, clip, err = self._search_and_round(linear, name, h, grid_of(plan.block_type, g, opts.zero_point))
             if opts.max_layer_error is None or err <= opts.max_layer_error:
@@ -434,15 +582,25 @@ class BlockQuantizer:
             why = f"max_layer_error: relative error {err:.4f} > {opts.max_layer_error} at g{g}, retried with g{retry[0]}"
             g = retry[0]
         self.block.set_submodule(name, q)
-        return {"group_size": g, "clip_ratio": round(float(clip.mean()), 4), "rel_error_awq": err}, why
+        return {"group_size": g, "clip_ratio": round(float(clip.mean()), 4), "output_error": err}, why
+
+    def _wider_grid(self, plan: LayerPlan) -> GgufGrid | Int8Grid | None:
+        """The layer's candidate grid when bits are spent by sensitivity: q4_k_m's Q6_K (or Q8_0), average_bits' INT8."""
+        if self.opts.average_bits is not None:
+            return Int8Grid()
+        wide = wider_type(self.opts, plan)
+        return None if wide is None else self._grid(plan, wide)
 
     def _search_and_round(self, linear, name: str, h: torch.Tensor, grid):
-        """(module, clip ratios, relative output error) of ``linear`` on ``grid``: clip search, then GPTQ or RTN."""
+        """(module, clip ratios, relative output error) of ``linear`` on ``grid``: clip search, then GPTQ or
+        RTN, then the scales re-fit to the codes (``scale_refit``)."""
         opts = self.opts
         w = linear.weight.float()
         clip = (search_clip(w, h, grid, opts.clip_grid, opts.max_shrink)
-                if opts.clip_search and name not in NO_CLIP else torch.ones(1))
+                if opts.clip_search and name not in NO_CLIP and not isinstance(grid, Int8Grid) else torch.ones(1))
         q = grid.module(linear, clip, h if opts.weight_rounding == "gptq" else None, opts.gptq_damp)
+        if opts.scale_refit:
+            grid.refit(q, w, h)
         return q, clip, relative_error(w, q.dequantized_weight().float() - w, h)
 
     def _target_accepts(self, plan: LayerPlan, g: int) -> bool:
@@ -481,13 +639,15 @@ def _metrics(layers: list[LayerDecision], windows: torch.Tensor, opts: AWQOption
         values = [r[key] for r in quantized if r.get(key) is not None]
         return sum(values) / max(len(values), 1)
 
-    sizes: dict[str, int] = {}  # INT4's group sizes, or the GGUF block types
+    sizes: dict[str, int] = {}  # INT4's group sizes (INT8 layers apart), or the GGUF block types
     for r in layers:
-        if r.format != "float":
+        if r.format not in ("float", "int8"):
             key = r.format.removeprefix("gguf:") if r.format.startswith("gguf:") else f"g{r.metrics['group_size']}"
             sizes[key] = sizes.get(key, 0) + 1
     grid = "block_types" if any(r.format.startswith("gguf:") for r in layers) else "group_sizes"
-    return {"layers_quantized": len(quantized), "layers_float": len(layers) - len(quantized),
-            grid: ", ".join(f"{k}: {v}" for k, v in sorted(sizes.items())),
-            "mean_rel_error_rtn": mean("rel_error_rtn"), "mean_rel_error_awq": mean("rel_error_awq"),
-            "calibration_tokens": windows.numel(), "search_tokens_per_block": min(opts.search_tokens, windows.numel())}
+    metrics = {"layers_quantized": len(quantized), "layers_float": len(layers) - len(quantized),
+               grid: ", ".join(f"{k}: {v}" for k, v in sorted(sizes.items())), "mean_rel_error_rtn": mean("rel_error_rtn"),
+               "calibration_tokens": windows.numel(), "search_tokens_per_block": min(opts.search_tokens, windows.numel())}
+    if opts.average_bits is not None:
+        metrics["layers_int8"] = sum(r.format == "int8" for r in layers)
+    return metrics

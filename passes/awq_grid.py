@@ -5,7 +5,9 @@ quantization of a weight under a clip ratio per block (``fake_quantize``), its b
 (``block``: the clip search's unit), and the module it stores the chosen codes in (``module``).
 ``Int4Grid`` is qcompile's INT4 (group size, zero point: ``Int4Linear``); ``GgufGrid`` one of
 llama.cpp's block types (``GgufLinear``), so that with ``format = "gguf:q4_k"`` every search
-scores, and GPTQ rounds onto, exactly the grid the GGUF file holds.
+scores, and GPTQ rounds onto, exactly the grid the GGUF file holds; ``Int8Grid`` INT8 per output
+channel (``Int8Linear`` W8A16), the wider candidate of ``average_bits``. The INT grids also re-fit
+their scales to the chosen codes (``refit``, the ``scale_refit`` option).
 """
 from __future__ import annotations
 
@@ -13,11 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
+import torch.nn.functional as F
+
 from compiler.formats.gguf_block import GgufLinear, pad_to_super
 from compiler.formats.int4 import Int4Linear
+from compiler.formats.int8 import Int8Format, Int8Linear
 from compiler.quant.gguf_blocks import BLOCK_TYPES, BlockType
-from compiler.quant.int4 import pad_columns
-from passes.awq_search import fast_fake_quantize
+from compiler.quant.int4 import pad_columns, storage_scale
+from compiler.quant.int8 import dequantize_weight, quantize_weight, weight_scale
+from passes.awq_search import fast_fake_quantize, refit_scales
 from passes.gptq import gptq_int4, gptq_round
 
 
@@ -41,6 +47,34 @@ class Int4Grid:
         if hessian is None:
             return Int4Linear.from_float(linear, self.group_size, self.zero_point, clip)
         return gptq_int4(linear, hessian, self.group_size, self.zero_point, clip, damp)
+
+    def refit(self, module: Int4Linear, weight: torch.Tensor, hessian: torch.Tensor) -> None:
+        """Least-squares scales on the module's codes and zero points (``refit_scales``), in place."""
+        q, zero = module.codes()
+        levels = q.float() - zero.float().repeat_interleave(self.group_size, dim=1)
+        pad = levels.shape[1] - hessian.shape[0]
+        module.scales.copy_(refit_scales(self.pad(weight), levels, module.scales, F.pad(hessian, (0, pad, 0, pad)),
+                                         lambda s: storage_scale(s, module.scales.dtype)))
+
+
+@dataclass(frozen=True)
+class Int8Grid:
+    """INT8 codes per output channel, weight-only (W8A16). The scales are float16 values, as INT4's
+    (``storage_scale``), so that vLLM's float16 checkpoint and GGUF's Q8_0 blocks hold them exactly."""
+
+    def module(self, linear: torch.nn.Linear, clip, hessian: torch.Tensor | None, damp: float) -> Int8Linear:
+        """The layer on this grid (``clip`` unused: the abs-max scale): RTN, or GPTQ's rounding over ``hessian``."""
+        scale = storage_scale(weight_scale(linear.weight), torch.float32)
+        weight = None if hessian is None else gptq_round(
+            linear.weight, hessian, lambda cols, _: dequantize_weight(quantize_weight(cols, scale), scale), damp=damp)
+        return Int8Linear.from_linear(linear, Int8Format.for_linear(linear, activation_scheme="none"), weight,
+                                      scale=scale)
+
+    def refit(self, module: Int8Linear, weight: torch.Tensor, hessian: torch.Tensor) -> None:
+        """Least-squares scale of each row on its codes (``refit_scales``, one block per row), in place."""
+        scale = module.weight_scale[:, None]
+        scale.copy_(refit_scales(weight, module.weight.float(), scale, hessian,
+                                 lambda s: storage_scale(s, torch.float32)))
 
 
 @dataclass(frozen=True)

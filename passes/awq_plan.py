@@ -47,12 +47,42 @@ class AWQOptions:
     starved_experts = "all_tokens"  # calibrate a starved expert on every token of its layer, or "rtn": round-to-nearest
     format = "int4"               # or a llama.cpp block type for `lower --target gguf`: "gguf:q4_0", "gguf:q4_1",
                                   # "gguf:q4_k", "gguf:q4_k_m" (Q4_K, and Q6_K for the layers measured most sensitive)
+    average_bits = 4.5            # int4 only, default off: INT8 (W8A16) for the layers measured most sensitive, up to
+                                  # this many bits per weight over the converted layers, as the artifact stores them
+    scale_refit = true            # default false: least-squares scales on the chosen codes, per row where they lower its error
+    sensitivity = "kl"            # default "none": also each layer's end-to-end KL alone (kl_alone; slow, see below)
+    validation_windows = 4        # windows of [calibration].seq_len tokens sensitivity = "kl" is measured on
 
     With a ``gguf:`` format every search and GPTQ's rounding work on that block type's grid
     (``compiler/quant/gguf_blocks.py``); group_size and zero_point are the type's. A row a K-quant's
     256-weight super-block does not divide takes llama.cpp's fallback (Q4_K -> Q5_0, Q6_K -> Q8_0);
     one 32 does not divide cannot be stored in GGUF and is an error naming it.
     MoE routers stay in float whatever the options say (``ArchSpec.router``).
+
+    ``average_bits`` (NNCF's ratio with an INT8 backup, by measured error): every layer is also
+    quantized on the INT8 per-channel grid (GPTQ on the same Gram matrix; ``Int8Linear`` W8A16, its
+    scales float16 values as INT4's), and after the last block the units whose output error INT8
+    lowers most per extra bit get it until the converted layers average ``average_bits`` bits per
+    weight (codes, scales, zero points and biases as ``qcompile inspect`` counts them). A unit is
+    what vLLM and the engine run as one layer: a block's q/k/v, its gate/up, a MoE layer's experts,
+    else one linear. The model is compiled whole (no ``--streaming on``), and INT8 candidates cost
+    a byte per weight of memory until then.
+
+    ``scale_refit``: once GPTQ (or RTN) has chosen the codes q of an INT4 or INT8 layer, each row's
+    scales are re-fit by least squares on them, s = argmin ||X (W - s (q - z))ᵀ||² over the row's
+    groups with the full Gram matrix (NNCF's scale estimation, in closed form), rounded as the format
+    stores scales, and kept per row where they lower that row's output error (so never a layer's).
+    GGUF block types keep llama.cpp's fields (no re-fit). Off by default, chosen on SmolLM2's
+    validation split (``benchmarks/awq_quality.py --one awq:128 --samples 32 --windows 15 --split
+    validation --corpora pydoc,stdlib-docs --set scale_refit=…``): perplexity 13.120 / 13.764 on
+    pydoc / stdlib-docs with it against 13.108 / 13.750 without (lower calibration errors, not a
+    better model), for 16% more compile CPU time.
+
+    ``sensitivity = "kl"``: after the compile, each converted layer's mean per-token KL from the
+    float model when it alone is quantized (``kl_alone``), on ``validation_windows`` windows of the
+    calibration corpus' validation region. Costs a float copy of the model (scales folded) and one
+    forward over those windows per converted layer: on SmolLM2 210 forwards of 4 x 512 tokens, about
+    10 s each on 2 busy cores, over half an hour (fewer ``validation_windows`` cut it); compiled whole.
     """
 
     group_size: int = 128
@@ -74,10 +104,23 @@ class AWQOptions:
     min_expert_tokens: int = 32
     starved_experts: Literal["all_tokens", "rtn"] = "all_tokens"
     format: str = "int4"
+    average_bits: float | None = None
+    scale_refit: bool = False  # off: worse perplexity on SmolLM2's validation split (the docstring)
+    sensitivity: Literal["none", "kl"] = "none"
+    validation_windows: int = 4
 
     def __post_init__(self):
         if self.format not in AWQ_FORMATS:
             raise ValueError(f"format must be one of {', '.join(AWQ_FORMATS)}, got {self.format!r}")
+        if self.average_bits is not None and self.format != "int4":
+            raise ValueError(f"average_bits mixes INT4 and INT8 layers: format must be \"int4\", got {self.format!r} "
+                             "(gguf:q4_k_m spends llama.cpp's bits by sensitivity)")
+        if self.average_bits is not None and not 4 < self.average_bits <= 8:
+            raise ValueError(f"average_bits must be above INT4's 4 bits and at most INT8's 8, got {self.average_bits}")
+        if self.scale_refit and self.format != "int4":
+            raise ValueError("scale_refit re-fits INT4 / INT8 scales; GGUF block types keep llama.cpp's fields")
+        if self.validation_windows < 1:
+            raise ValueError(f"validation_windows must be >= 1, got {self.validation_windows}")
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size}")
         if self.alpha_grid < 1 or self.clip_grid < 1:
@@ -134,8 +177,8 @@ def smaller_groups(in_features: int, group_size: int, policy: str) -> list[int]:
             if g < group_size and (policy == "pad" or in_features % g == 0)]
 
 
-def _describe(names: list[str], in_features: int) -> str:
-    """'layers.{0-29}.self_attn.q_proj (in_features 576)': every offending layer, compactly."""
+def compact_names(names: list[str]) -> str:
+    """'layers.{0-29}.self_attn.q_proj, lm_head': every layer named, compactly."""
     by_suffix: dict[str, list[int]] = defaultdict(list)
     others = []
     for n in names:
@@ -144,8 +187,9 @@ def _describe(names: list[str], in_features: int) -> str:
             by_suffix[m.group(2)].append(int(m.group(1)))
         else:
             others.append(n)
-    parts = [f"layers.{{{_ranges(ix)}}}.{s}" for s, ix in by_suffix.items()] + others
-    return f"{', '.join(parts)} (in_features {in_features})"
+    parts = [f"layers.{r if r.isdigit() else '{' + r + '}'}.{s}" for s, ix in by_suffix.items()
+             for r in [_ranges(ix)]] + others
+    return ", ".join(parts)
 
 
 def _ranges(ix: list[int]) -> str:
@@ -175,7 +219,7 @@ def plan_layers(config: ModelConfig, options: AWQOptions) -> tuple[dict[str, Lay
         else:
             offenders[k].append(name)
     if offenders:
-        listed = "; ".join(_describe(names, k) for k, names in offenders.items())
+        listed = "; ".join(f"{compact_names(names)} (in_features {k})" for k, names in offenders.items())
         raise ConfigError(_offenders_message(options, listed))
     return plans, excluded
 

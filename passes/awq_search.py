@@ -125,3 +125,39 @@ def search_clip(weight: torch.Tensor, hessian: torch.Tensor, grid, clip_grid: in
         best_err = torch.where(better, err, best_err)
         best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
     return best_ratio
+
+
+def refit_scales(w: torch.Tensor, levels: torch.Tensor, scales: torch.Tensor, hessian: torch.Tensor, store,
+                 budget: int = 1 << 24) -> torch.Tensor:
+    """Scales re-fit to fixed codes (``scale_refit``; NNCF's scale estimation, in closed form): per row n,
+    s_n = argmin ||X (w_n - s_n ⊗ levels_n)ᵀ||² over its n_blocks scales, each taking K / n_blocks
+    consecutive columns of ``levels`` = q - z [N, K] (w [N, K] and ``hessian`` [K, K] padded alike).
+    ``store`` rounds them as the format keeps them; a row keeps ``scales`` [N, n_blocks] unless the
+    re-fit lowers its error, so the layer's output error never rises."""
+    n, k = levels.shape
+    nb = scales.shape[1]
+    h = hessian.double()
+    hb = h.view(nb, k // nb, nb, k // nb)
+    out = scales.clone()
+    step = max(1, budget // (k * nb))  # rows per chunk: the einsum holds [rows, nb, nb, K / nb]
+    for start in range(0, n, step):
+        rows = slice(start, start + step)
+        d, wr, old = levels[rows].double(), w[rows].double(), scales[rows]
+        blocks = d.view(-1, nb, k // nb)
+        m = torch.einsum("rbk,bkcl,rcl->rbc", blocks, hb, blocks)  # the normal equations' matrix per row
+        r = (blocks * (wr @ h).view(-1, nb, k // nb)).sum(-1)
+        diag = m.diagonal(dim1=1, dim2=2)
+        dead = diag <= 0  # a block of zero levels (or unseen inputs): nothing to fit, it keeps its scale
+        r = torch.where(dead, old.double(), r)
+        diag += torch.where(dead, 1.0, 1e-12 * diag.mean(-1, keepdim=True))
+        fit = store(torch.linalg.solve(m, r))
+        better = _row_errors(wr, d, fit, h) < _row_errors(wr, d, old, h)
+        out[rows] = torch.where(better[:, None], fit, old)
+    return out
+
+
+def _row_errors(w: torch.Tensor, levels: torch.Tensor, scales: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Each row's output error (Gram form) with weights ``scales`` ⊗ ``levels``; NaN counts as worse."""
+    nb = scales.shape[1]
+    delta = (levels.view(levels.shape[0], nb, -1) * scales.double()[..., None]).view_as(w) - w
+    return ((delta @ h) * delta).sum(1).nan_to_num(float("inf"))

@@ -19,7 +19,7 @@
 Phases: (1) run the calibration windows through the model in its dtype, the shared collector
 (``compiler/pipeline/calibration.py``) recording for each candidate Linear what the options need
 of its inputs: the abs-max of every token (static), a sample of rows (the fallback's error), the
-Gram matrix XᵀX (GPTQ), and for each attention layer the per-head K/V abs-max. With
+Gram matrix XᵀX (GPTQ), and for each attention layer the K/V abs-max per channel. With
 ``input_shift`` or ``outlier_channels`` a forward before it records each input channel's mean
 and mean square (the abs-maxima and XᵀX are then of the inputs less that mean, and the outlier
 channels are those of largest mean square of what would be cast), so that case takes two forwards;
@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from compiler.errors import ConfigError
 from compiler.formats.fp8 import Fp8Format, Fp8Linear
-from compiler.formats.fp8_kv import KVObserver, install_kv_quant, kv_cache_entry
+from compiler.formats.kv_quant import KVObserver, install_kv_quant, kv_cache_entry
 from compiler.formats.qlinear import linear_modules
 from compiler.io.stream import trim_heap
 from compiler.model.config import ModelConfig
@@ -250,13 +250,10 @@ class Fp8Pass(Pass):
         if model.config.spec.is_moe and o.convert_linears:
             report.metrics["experts_starved"] = sum(len(e) for e in experts_of(list(starved or {})).values())
         kept = [r.module for r in rows if r.format == "float"]
-        errors = [r.metrics["rel_error"] for r in rows if "rel_error" in r.metrics]
         report.metrics |= {"converted": len(rows) - len(kept), "fallback": len(kept),
                            "weight_dtype": o.weight_dtype, "activations": o.activation_scheme}
         if o.outlier_channels:
             report.metrics["outlier_channels"] = o.outlier_channels
-        if errors:
-            report.metrics |= {"mean_rel_error": sum(errors) / len(errors), "max_rel_error": max(errors)}
         if kept:
             report.notes.append(f"{len(kept)} layer(s) stay in {model.embed_tokens.weight.dtype} because their "
                                 f"relative error exceeds max_layer_error={o.max_layer_error}: {', '.join(kept)}")
@@ -363,7 +360,7 @@ class Fp8Pass(Pass):
                 err = float((q(x).float() - ref).norm() / ref.norm().clamp(min=1e-30))
                 q.drop_float_weight()
             err = err if math.isfinite(err) else float("inf")
-            row.metrics["rel_error"] = err
+            row.metrics["output_error"] = err  # a fallback's too: the error FP8 would have added
             if err > o.max_layer_error:
                 row.format = "float"
                 row.reason = f"{starved + '; ' if starved else ''}relative error {err:.4f} > max_layer_error {o.max_layer_error}"

@@ -10,11 +10,12 @@ with INT8 activations per token (dynamic) or per tensor (static), or none (W8A16
                                         # default mappings); "none" (W8A16's default)
     smoothing_strength = "auto"         # migration strength α, or "auto": chosen on the validation split
                                         # among the grid's and a per-group search's
-    smoothing_grid = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+    smoothing_grid = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
     weight_rounding = "gptq"            # or "nearest"
     static_range = "minmax"             # static: the whole calibrated range, or "search": the shrink
                                         # with the least layer error on the sampled rows
     modules_to_not_convert = ["lm_head", "embed_tokens"]
+    kv_cache_dtype = "none"             # "int8": a static INT8 KV cache, symmetric per channel (vllm-ascend's "C8")
 
 Phases, the model in memory (``scope`` "model": the strength is chosen on whole-model losses):
 
@@ -30,19 +31,26 @@ Phases, the model in memory (``scope`` "model": the strength is chosen on whole-
    configured activations, static ranges included) and scored by its mean per-token KL from the float
    model on the calibration corpus' validation region (``validation_windows`` windows, never the
    evaluation region the figures are reported on); the report gives every candidate's KL and NLL.
-   On SmolLM2's validation split, KL chose "per group" (dynamic: KL 0.0068 / 0.0073 on pydoc /
-   stdlib-docs against one α's 0.0102 / 0.0100), and scoring static trials as static (they were
-   scored as dynamic) took static activations from +19% perplexity to +3.5%.
+   On SmolLM2's validation split the per-group candidate lowered dynamic W8A8's KL by a third
+   (0.0068 / 0.0073 on pydoc / stdlib-docs against one α's 0.0102 / 0.0100), and scoring static
+   trials as static (they were scored as dynamic) took static activations from +19% perplexity
+   to +2.1% (docs/notes/2026-12-int8-w8a8-smoothquant.md).
 2. **Calibrate** the smoothed model: per converted Linear, XᵀX (GPTQ), a row sample (the error
    column of the report) and, for static activations, each channel's range: the tensor's min/max
    give the scale and zero point; with ``static_range = "search"`` that range shrunk by the factor
    of ``STATIC_CLIPS`` whose layer output error on the sampled rows (each token's relative to its
-   own output, averaged) is least. On SmolLM2's validation split the search lowers each layer's
-   error but not the model's: +20.5% / +25.0% perplexity against the whole range's +19.2% / +18.9%
+   own output, averaged) is least. On SmolLM2's validation split (static trials then scored as
+   dynamic) the search lowered each layer's error but not the model's: +20.5% / +25.0% perplexity against the whole range's +19.2% / +18.9%
    (pydoc / stdlib-docs), so the whole range is the default.
 3. **Quantize**: symmetric per-channel scales from the smoothed weight's abs-max, codes by GPTQ's
    error-compensating rounding on them (``passes/gptq.py``); the report's rows give each layer's
    relative output error on the sampled calibration rows (the quantized activations included).
+4. **KV cache** (``kv_cache_dtype = "int8"``): K (after the rotary embedding) and V of every layer
+   over the calibration windows, through the quantized model (its K/V come from the INT8 q/k/v
+   projections the artifact runs, so their ranges are the served model's); one scale per channel
+   (n_kv_heads × head_dim per layer) from the abs-max / 127, rounded up onto bfloat16's grid
+   (``compiler/formats/kv_quant.py``), recorded in the manifest's ``kv_cache`` entry and installed
+   as the model's K/V rounding.
 
 Mixture-of-experts and MLA architectures are refused (their per-expert smoothing and starved
 experts are not implemented here): compile them with ``fp8`` or ``awq``.
@@ -52,15 +60,15 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from calib import evaluation_windows
 from compiler.errors import ConfigError
 from compiler.formats.int8 import Int8Format, Int8Linear
+from compiler.formats.kv_quant import INT8, install_kv_quant, kv_cache_entry
 from compiler.formats.qlinear import linear_modules
 from compiler.model.config import ModelConfig
 from compiler.model.transformer import Transformer
@@ -91,7 +99,8 @@ class Int8Options:
     # "norms"' +1.17% / +0.88%: down_proj's input carries the outliers), else "none".
     smoothing: Literal["norms", "all", "none"] | None = None
     smoothing_strength: float | Literal["auto"] = "auto"
-    smoothing_grid: list[float] = field(default_factory=lambda: [0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
+    # 0.9: static activations chose 0.8, the old grid's end, on SmolLM2's validation split
+    smoothing_grid: list[float] = field(default_factory=lambda: [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
     validation_windows: int = 4  # windows of [calibration].seq_len tokens scoring each α
     weight_rounding: Literal["gptq", "nearest"] = "gptq"
     static_range: Literal["minmax", "search"] = "minmax"
@@ -99,6 +108,8 @@ class Int8Options:
     modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head", "embed_tokens"])
     calibration_samples: int | None = None
     error_tokens: int = 256
+    kv_cache_dtype: Literal["none", "int8"] = "none"
+    kv_cache_granularity: ClassVar[str] = "per_channel"  # not an option: the INT8 cache's one granularity
 
     def __post_init__(self):
         if self.activation_symmetric is None:
@@ -185,7 +196,21 @@ class Int8Pass(Pass):
                                channel_range=o.activation_scheme == "static")
         stats = self._statistics(model, context, {n: request for n in candidates}, "int8: calibrating")
         rows = [self._convert(model, name, stats[name]) for name in track(candidates, "int8: quantizing layers")]
-        return self._report(excluded, rows, strengths[chosen] if groups else None, chosen, scores)
+        report = self._report(excluded, rows, strengths[chosen] if groups else None, chosen, scores)
+        if o.kv_cache_dtype == INT8:
+            context.manifest_extras["kv_cache"] = self._kv_cache(model, context)
+            report.metrics["kv_cache"] = f"{INT8} {o.kv_cache_granularity}"
+        return report
+
+    def _kv_cache(self, model: Transformer, context: PassContext) -> dict:
+        """The INT8 KV cache's entry, calibrated on the quantized model (after the weights: K/V are
+        then those of the INT8 q/k/v projections the artifact serves), and installed in it."""
+        windows = context.calibration_windows(self.options.calibration_samples)
+        stats = context.input_statistics(model, windows, {}, kv_heads=True, label="int8: KV-cache scales",
+                                         batch_size=CALIBRATION_BATCH)
+        entry = kv_cache_entry(INT8, self.options.kv_cache_granularity, stats.kv)
+        install_kv_quant(model, entry)
+        return entry
 
     def _groups(self, model: Transformer) -> list[tuple[int, ScalingGroup]]:
         """(layer, group) pairs to smooth, by the ``smoothing`` option."""
@@ -237,9 +262,7 @@ class Int8Pass(Pass):
         RTN-quantized with the configured activations (static ranges: the calibrated ones, smoothed):
         the mean per-token KL from the float model, and the mean NLL."""
         o = self.options
-        splits = context.token_splits()
-        per_split = max(1, o.validation_windows // len(splits))
-        windows = torch.cat([evaluation_windows(s.validation, per_split, context.calibration.seq_len) for s in splits])
+        windows = context.validation_windows(o.validation_windows)
         with torch.inference_mode():
             reference = teacher_logits(model, windows)  # smoothing leaves the float model as it is
         scores = {}
@@ -282,7 +305,7 @@ class Int8Pass(Pass):
                 if q is None or per_token < best:
                     best, q = per_token, candidate
                     err = float((y - ref).norm() / ref.norm().clamp(min=1e-30))
-                    row.metrics["rel_error"] = err if math.isfinite(err) else math.inf
+                    row.metrics["output_error"] = err if math.isfinite(err) else math.inf
                     row.metrics["token_rel_error"] = per_token
                     if qparams is not None:
                         row.metrics |= {"input_scale": qparams[0], "static_clip": clip}
@@ -298,7 +321,6 @@ class Int8Pass(Pass):
         report = PassReport(self.name)
         report.layers = [LayerDecision(n, "float", f"modules_to_not_convert {p!r}") for n, p in excluded.items()]
         report.layers += rows
-        errors = [r.metrics["rel_error"] for r in rows]
         report.metrics |= {"converted": len(rows), "scheme": "W8A16" if o.activation_scheme == "none" else "W8A8",
                            "activations": o.activation_scheme, "activation_symmetric": o.activation_symmetric,
                            "smoothing": o.smoothing,
@@ -308,8 +330,6 @@ class Int8Pass(Pass):
             counts = {a: strength.count(a) for a in sorted(set(strength))}
             report.notes.append("smoothing strength per group (the grid's least layer error): "
                                 + ", ".join(f"α={a}: {n} groups" for a, n in counts.items()))
-        if errors:
-            report.metrics |= {"mean_rel_error": sum(errors) / len(errors), "max_rel_error": max(errors)}
         if scores:
             report.metrics["validation_kl_by_strength"] = {k: round(v["kl"], 6) for k, v in scores.items()}
             report.metrics["validation_nll_by_strength"] = {k: round(v["nll"], 6) for k, v in scores.items()}

@@ -2,14 +2,14 @@
 
 It changes no weights. It resolves the plan against the model: the KV dtype (the model's, or
 the FP8 cache an earlier pass declared in ``context.manifest_extras["kv_cache"]``, so run it
-after that pass) and the number of blocks the memory budget buys, and stores the result as
+after that pass; an INT8 cache is held in the model dtype, ``resolve_kv_dtype``) and the number of blocks the memory budget buys, and stores the result as
 ``manifest["serving"]`` for ``serving.Engine.from_artifact``.
 """
 from __future__ import annotations
 
 import torch
 
-from compiler.deploy.serving_plan import KV_DTYPES, ServingPlan, bytes_per_block
+from compiler.deploy.serving_plan import KV_DTYPES, ServingPlan, bytes_per_block, resolve_kv_dtype
 from compiler.errors import ConfigError
 from compiler.pipeline import Pass, PassContext, PassReport, register_pass
 
@@ -26,12 +26,11 @@ class PagedKVPass(Pass):
     def run(self, model: torch.nn.Module, context: PassContext) -> PassReport:
         plan: ServingPlan = self.options
         c = model.config
-        kv_cache = context.manifest_extras.get("kv_cache")
-        kv_dtype = plan.kv_dtype
-        if kv_dtype == "auto":
-            kv_dtype = kv_cache["dtype"] if kv_cache else str(model.embed_tokens.weight.dtype).removeprefix("torch.")
-        if kv_dtype == "float8_e4m3fn" and not kv_cache:
-            raise ConfigError("paged_kv: kv_dtype float8_e4m3fn needs K/V scales; run the fp8 pass before paged_kv, or use kv_dtype = \"auto\"")
+        model_dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+        try:
+            kv_dtype = resolve_kv_dtype(plan.kv_dtype, model_dtype, context.manifest_extras.get("kv_cache"))
+        except ConfigError as e:
+            raise ConfigError(f"paged_kv: {e}") from None
         heads, dim, values = c.kv_cache_layout
         per_block = bytes_per_block(plan.block_size, c.n_layers, heads, dim, KV_DTYPES[kv_dtype], values)
         num_blocks = plan.num_blocks or max(1, int(plan.kv_memory_mb * 2**20) // per_block)

@@ -75,7 +75,8 @@ def compile(model: "str | Path | LoadedModel", pipeline: "str | Path | dict | Pi
 
 def evaluate(model: "str | Path | LoadedModel", corpus: str = "pydoc", windows: int = 16,
              split: str = "evaluation", reference: "str | Path | LoadedModel | None" = None,
-             save_reference: str | Path | None = None, plot: str | Path | None = None) -> dict:
+             save_reference: str | Path | None = None, plot: str | Path | None = None,
+             runtimes: "list[str] | None" = None, runtime_dir: str | Path | None = None) -> dict:
     """Perplexity ``{"ppl", "tokens", "nll"}`` on the first ``windows`` 512-token windows of
     ``corpus`` (``"pydoc"``, a ``.txt`` file or folder, ``FILE.jsonl[:field]``): of its evaluation
     region (reported figures) or its validation region (for choosing settings).
@@ -85,21 +86,35 @@ def evaluate(model: "str | Path | LoadedModel", corpus: str = "pydoc", windows: 
     ``qcompile eval --reference --json`` prints: ``ppl``, ``ppl_base``, ``ln_ppl_ratio``,
     ``kld_mean``, ``kld_median``/``kld_90``/…, ``rms_dp``, ``same_top`` (each with ``_uncertainty``
     where it has one), ``tokens``. ``save_reference`` writes a reference model's file, reusable as
-    ``reference``; ``plot`` draws the per-token KLD histogram to a PNG."""
+    ``reference``; ``plot`` draws the per-token KLD histogram to a PNG.
+
+    With ``runtimes`` too (``["engine", "onnx", "vllm", "gguf", "triton"]``; ``model`` an artifact),
+    those statistics for each runtime the artifact lowers to, as ``qcompile eval --runtimes``:
+    ``{"runtimes": [{"runtime", "runs", "kl_over", statistics...} or {"runtime", "runs",
+    "unavailable": why}], "corpus", ...}`` (``qcompile/eval_runtimes.py``); the lowered outputs go
+    to ``runtime_dir`` (kept) or a temporary folder."""
     from compiler.pipeline.evaluate import check_reference_options, compare_to_reference, evaluate_perplexity, load_reference
 
     from compiler.io.types import LoadedModel
 
     check_reference_options(reference, save_reference, plot)
+    if runtimes is not None:
+        from qcompile.eval_runtimes import check_runtimes
+
+        check_runtimes(runtimes, reference, plot)
     if reference is None:
         return evaluate_perplexity(_loaded(model), corpus, windows, split=split)
     candidate = _loaded(model)
     if not isinstance(reference, LoadedModel):
         load_plugins()
         reference = load_reference(reference)
-    return compare_to_reference(candidate, reference, corpus, windows, split,
-                                None if save_reference is None else Path(save_reference),
-                                None if plot is None else Path(plot))
+    save = None if save_reference is None else Path(save_reference)
+    if runtimes is not None:
+        from qcompile.eval_runtimes import compare_runtimes
+
+        return compare_runtimes(candidate, runtimes, reference, corpus, windows, split, save,
+                                runtime_dir=None if runtime_dir is None else Path(runtime_dir))
+    return compare_to_reference(candidate, reference, corpus, windows, split, save, None if plot is None else Path(plot))
 
 
 def generate(model: "str | Path | LoadedModel", prompt: str, max_tokens: int = 64) -> str:

@@ -55,8 +55,11 @@ class Engine:
         self.cache: PagedKVCache = build_kv_cache(model, self.plan, self.device, kv_cache_manifest)
         if self.cache.k_scales is not None:  # an FP8 cache with the artifact's scales
             drop_kv_rounding(self.model)
-        # what the forward runs, layer kind by kind, with the ISA level of qcompile's kernels
-        self.kernels = kernel_report(self.model, self.device, self.packing, self.decode_attention)
+        # Otherwise a KV-cache hook stays (an INT8 one always: no INT8 cache kernels): it rounds K/V
+        # before the model-dtype cache stores them, the values an INT8 cache would hold.
+        # What the forward runs, layer kind by kind, with the ISA level of qcompile's kernels:
+        self.kernels = kernel_report(self.model, self.device, self.packing, self.decode_attention,
+                                     self.cache.spec.dtype)
         spec = self.cache.spec
         self.kv = KVCacheManager(spec.num_blocks, spec.block_size, self.plan.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.plan.max_num_batched_tokens, self.plan.max_num_seqs)

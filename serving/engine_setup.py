@@ -6,42 +6,36 @@ An FP8 artifact declares (written by the fp8 pass)::
     manifest["kv_cache"] = {"dtype": "float8_e4m3fn", "granularity": "per_tensor" | "per_head",
                             "k_scale": [per layer: float, or a list with one float per KV head],
                             "v_scale": [...]}
+
+and the cache stores FP8 codes with those scales. An INT8 one (the int8 pass; ``compiler/formats/kv_quant.py``)
+is held in a model-dtype cache, its K/V rounded through int8 by the model's ``kv_quant`` hook first
+(``compiler.deploy.serving_plan.resolve_kv_dtype``).
 """
 from __future__ import annotations
 
 import torch
 
-from compiler.deploy.serving_plan import KV_DTYPES, ServingPlan, bytes_per_block
+from compiler.deploy.serving_plan import KV_DTYPES, ServingPlan, bytes_per_block, resolve_kv_dtype
 from compiler.errors import ArtifactError, ConfigError
-from compiler.formats.fp8_kv import parse_kv_scales
 from compiler.formats.fp8 import Fp8Linear
 from compiler.formats.int4 import Int4Linear
+from compiler.formats.kv_quant import Int8KVQuant, parse_kv_scales
 from compiler.kernels import w4a8_cpu
 from compiler.kernels.cpu_ext import cpu_isa_in_use, cpu_kernels_status
 from compiler.kernels.dispatch import fp8_kernel, int4_kernel, resolve_int4_compute
 from serving.paged_cache import KVCacheSpec, PagedKVCache
 
 
-def resolve_kv_dtype(plan: ServingPlan, model_dtype: torch.dtype, kv_cache: dict | None) -> torch.dtype:
-    name = plan.kv_dtype
-    if name == "auto":
-        name = kv_cache["dtype"] if kv_cache else str(model_dtype).removeprefix("torch.")
-    if name not in KV_DTYPES:
-        raise ArtifactError(f"KV-cache dtype {name!r} is not supported; use one of {', '.join(KV_DTYPES)}")
-    return KV_DTYPES[name]
-
-
 def build_kv_cache(model: torch.nn.Module, plan: ServingPlan, device: torch.device, kv_cache: dict | None) -> PagedKVCache:
     c = model.config
-    dtype = resolve_kv_dtype(plan, model.embed_tokens.weight.dtype, kv_cache)
+    dtype = KV_DTYPES[resolve_kv_dtype(plan.kv_dtype, str(model.embed_tokens.weight.dtype).removeprefix("torch."),
+                                       kv_cache)]
     k_scales = v_scales = None
     heads, dim, values = c.kv_cache_layout
     if dtype == torch.float8_e4m3fn:
         if not values:
             raise ArtifactError(f"an FP8 KV cache is not supported for {c.architecture}'s latent (MLA) cache; "
                                 "serve it with kv_dtype = \"auto\"")
-        if not kv_cache:
-            raise ArtifactError("an FP8 KV cache needs calibrated K/V scales in manifest['kv_cache']; run the fp8 pass")
         _, k, v = parse_kv_scales(kv_cache, c)
         k_scales, v_scales = list(k[:, :, None]), list(v[:, :, None])  # per layer [1 or Hkv, 1]: broadcasts over [Hkv, D]
     num_blocks = plan.num_blocks or max(1, int(plan.kv_memory_mb * 2**20) // bytes_per_block(
@@ -85,13 +79,21 @@ def set_int4_compute(model: torch.nn.Module, compute: str, device: torch.device)
 REPORT_PREFILL_TOKENS = 512
 
 
-def kernel_report(model: torch.nn.Module, device: torch.device, packing: dict, decode_attention: str) -> dict:
+def kernel_report(model: torch.nn.Module, device: torch.device, packing: dict, decode_attention: str,
+                  cache_dtype: torch.dtype) -> dict:
     """What the engine's forward runs, as a float32 decode step (one token a sequence) and a prefill
     would: ``{"cpu": kernels' status and ISA level, "linear": float linears' kernel, "int4" / "fp8":
-    {"decode": {kernel: layers}, "prefill": {...}}, "attention": decode attention's kernel}``; the
-    ISA level of every qcompile C++ kernel named beside it (``compiler/kernels/dispatch.py``)."""
+    {"decode": {kernel: layers}, "prefill": {...}}, "attention": decode attention's kernel}``, and
+    ``"kv_cache"`` where the model's own hook rounds K/V before a cache of another dtype stores them;
+    the ISA level of every qcompile C++ kernel named beside it (``compiler/kernels/dispatch.py``)."""
     report = {"cpu": cpu_kernels_status() if device.type == "cpu" else None, "isa": cpu_isa_in_use(),
               "linear": packing.get("kernel", "F.linear (not packed)"), "attention": decode_attention}
+    quant = model.layers[0].self_attn.kv_quant if len(model.layers) else None
+    if quant is not None:
+        int8 = isinstance(quant, Int8KVQuant)
+        report["kv_cache"] = (f"{'int8' if int8 else quant.dtype_name} K/V rounded by the model's kv_quant hook, "
+                              f"stored in {str(cache_dtype).removeprefix('torch.')} blocks (no memory saving"
+                              f"{': the engine has no INT8 paged cache' if int8 else ''})")
     choosers = ((Int4Linear, "int4", int4_kernel), (Fp8Linear, "fp8", fp8_kernel))
     with torch.no_grad():
         for module in model.modules():
@@ -112,4 +114,6 @@ def describe_kernels(report: dict) -> str:
         for phase, kernels in report.get(name, {}).items():
             parts.append(f"{name} {phase} " + ", ".join(f"{k} ×{n}" for k, n in kernels.items()))
     parts.append(f"attention {report['attention']}")
+    if "kv_cache" in report:
+        parts.append(f"KV cache {report['kv_cache']}")
     return " · ".join(parts)

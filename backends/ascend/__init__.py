@@ -16,8 +16,16 @@ def check_module(module: str, fmt: dict) -> str | None:
     return None
 
 
+def check_plan(plan) -> str | None:
+    """A KV cache the lowering cannot carry: FP8 (refused by the .om and AscendV1), or an INT8 one C8 cannot hold."""
+    from backends.ascend.msmodelslim import c8_refusal
+    from compiler.deploy.targets import planned_kv_cache
+
+    return c8_refusal(planned_kv_cache(plan), plan.config.head_dim if plan.config is not None else None)
+
+
 register_target(TargetSpec("ascend", "Huawei Ascend via ATC .om (fp16), and a vllm-ascend (msModelSlim AscendV1) "
-                                     "directory for INT8 / float artifacts", check_module))
+                                     "directory for INT8 / float artifacts", check_module, check_plan))
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 Order matters:
   0. refuse what the .om would not run as the artifact declares it: an FP8 KV cache (ATC compiles
      the graphs at fp16 precision, so the exact FP8 rounding the ONNX graphs carry would not
-     survive it), a manifest entry this lowering does not know, a serving plan's other KV dtype;
+     survive it), a manifest entry this lowering does not know, a serving plan's other KV dtype.
+     An INT8 KV cache is lowered: vllm-ascend's C8 holds its scales, and the .om graphs round K/V
+     through int8 at fp16 precision (a note says so);
   1. build the fp16 graphs in memory (static batch 1; prefill length as ATC gears; every
      quantized layer as a MatMul of its dequantized weight, since ATC takes no MatMulNBits);
   2. check every node against ATC's operator table — before anything is written;
@@ -43,9 +45,11 @@ from backends.onnx.export import (
 )
 from backends.onnx.kv_rounding import kv_cache_export
 from compiler.errors import ConfigError
+from compiler.formats.kv_quant import Fp8KVQuant
 from compiler.formats.qlinear import quantized_modules
 from compiler.io.atomic import atomic_directory_write
 from compiler.io.types import LoadedModel
+from compiler.quant.fp8 import FP8_DTYPES
 
 
 @dataclass
@@ -61,7 +65,8 @@ class AscendLowerResult:
 
 def refuse_fp8_kv_cache(loaded: LoadedModel) -> None:
     """The .om keeps K/V in fp16: an artifact whose K/V are rounded through FP8 cannot be lowered as it is."""
-    if kv_cache_export(loaded.model) is not None or (loaded.manifest or {}).get("kv_cache"):
+    declared = ((loaded.manifest or {}).get("kv_cache") or {}).get("dtype")
+    if isinstance(loaded.model.layers[0].self_attn.kv_quant, Fp8KVQuant) or declared in FP8_DTYPES:
         raise ConfigError(f"{loaded.source.path}: the artifact has an FP8 KV cache, which the Ascend lowering does not "
                           "lower (ATC builds the graphs at fp16 precision, so FP8 rounding of K/V would not be exact); "
                           "lower it to onnx or triton, or compile it without kv_cache_dtype for Ascend")
@@ -87,6 +92,10 @@ def lower_ascend(loaded: LoadedModel, out: str | Path, atc_opts: AtcOptions, max
     result = AscendLowerResult(out, vllm_ascend=None if skip else out / DIRECTORY)
     if quantized:
         result.notes.append(f"{len(quantized)} quantized layer(s) are fp16 in the .om, built from their dequantized weights")
+    if kv_cache_export(loaded.model) is not None:  # an INT8 KV cache (FP8 ones were refused)
+        result.notes.append("the .om graphs round K/V through int8 as the artifact does, at ATC's fp16 precision "
+                            "(codes may differ where K / scale lies near half-way)"
+                            + ("" if skip else f"; {DIRECTORY}/ holds the INT8 KV cache as vllm-ascend's C8"))
     if skip:
         result.notes.append(f"no {DIRECTORY}/ directory: {skip}")
     else:

@@ -13,7 +13,17 @@ What it follows (checked against the source; tests/backends/ascend/test_ascend_v
   parameters each scheme creates, below; every float one in the model dtype ``dt``);
 * msModelSlim's AscendV1 saver (``msmodelslim/core/quant_service/modelslim_v1/save/ascendv1.py``
   and ``save/utils/deqscale.py``, Ascend/msmodelslim at 030d6ea4): the description's fixed keys,
-  the file names, ``deq_scale``, ``quant_bias`` and ``deqscale2int64``.
+  the file names, ``deq_scale``, ``quant_bias`` and ``deqscale2int64``, and the C8 KV cache
+  (``on_dynamic_cache``: ``kv_cache_type`` / ``kv_quant_type`` "C8", per-layer tensors typed "C8");
+* the INT8 KV cache ("C8") in vllm-ascend at 182b75ea: ``modelslim_config.py``
+  (``_add_kvcache_quant_metadata``: enabled by ``kv_cache_type`` "C8", its layers those of the keys
+  holding ``k_proj.kv_cache_scale``; ``get_cache_scale_mapper``: ``.k_proj.kv_cache_scale`` ->
+  ``.attn.k_cache_scale`` and so on), ``methods/kv_c8.py`` (``AscendC8KVCacheAttentionMethod``: the
+  four parameters in the model dtype, the loader squeezes and casts) and ``attention/attention_v1.py``
+  (``AscendC8AttentionBackendImpl``: ``_prepare_c8_scales``, n_kv_heads × head_size per channel,
+  head-major; ``_quantize_kv_to_int8``, codes = clamp(round(x * (1 / scale) + offset), -128, 127);
+  ``_dequant_paged_kv_to_dense``, codes * scale, the offset ignored; ``_nz_5d_view``, blocks of 32
+  channels).
 
 Files::
 
@@ -50,12 +60,20 @@ Per ``Int8Linear`` (HF prefix P, N outputs, K inputs):
 Every other tensor is FLOAT under its Hugging Face name (embeddings, norms, lm_head — listed even
 when tied to the embedding, whose tensor vLLM then skips — and float layers).
 
+An INT8 KV cache (the manifest's ``kv_cache``, int8 per channel) is vllm-ascend's C8: the description
+gets ``"kv_cache_type": "C8"`` and ``"kv_quant_type": "C8"``, and per layer i, for P in
+``model.layers.i.self_attn.k_proj`` and ``...v_proj`` (type "C8"):
+
+      P.kv_cache_scale  dt [Hkv * D]   the artifact's scales (head-major), rounded to dt (the int8
+                                       pass puts them on bfloat16's grid, so they are held exactly)
+      P.kv_cache_offset dt [Hkv * D]   zeros: the cache is symmetric (vllm-ascend's dense dequant
+                                       ignores the offset)
+
 Refused before anything is written (``check_ascend_v1``, one line each, with what to compile
 instead): dynamic asymmetric activations (vllm-ascend's W8A8_DYNAMIC is symmetric per token), a
 fused q/k/v or gate/up whose layers disagree (scheme, or static scale and zero point: vllm-ascend
-keeps one per fused layer), a static zero point outside int8, and a KV
-cache entry (AscendV1's ``kv_cache_type`` "C8" is an INT8 cache with its own scales, which
-qcompile does not produce). Formats with no AscendV1 form — INT4 (vllm-ascend has W4A16 for MoE
+keeps one per fused layer), a static zero point outside int8, an FP8 KV cache (AscendV1's one KV
+cache is C8) and an INT8 one with a head_dim not a multiple of 32 (C8 blocks hold 32 channels). Formats with no AscendV1 form — INT4 (vllm-ascend has W4A16 for MoE
 experts only), FP8, GGUF — and mixture-of-experts models get no directory; ``ascend_v1_skip`` says
 why and the lowering writes that in its notes (the ATC bundle is written all the same).
 
@@ -68,8 +86,9 @@ quantizes by the input scale's reciprocal, also in the model dtype (exact when t
 of two); W8A8 folds a float bias into the integer quant_bias (within half a deq_scale step);
 npu_quantize clamps to -128..127 where a symmetric artifact clamps to -127..127 (inputs beyond the
 calibrated range), and rounds x / s + z as one where the artifact rounds x / s and adds z (one step
-apart exactly half-way, with an odd z). Codes, integer sums and the zero-point term are the
-artifact's (tests/backends/ascend/test_ascend_v1.py computes the NPU's arithmetic from the files).
+apart exactly half-way, with an odd z); the C8 cache quantizes K/V by its scales' reciprocal in the
+model dtype too. Codes, integer sums and the zero-point term are the artifact's
+(tests/backends/ascend/test_ascend_v1.py computes the NPU's arithmetic from the files).
 """
 from __future__ import annotations
 
@@ -83,6 +102,7 @@ import torch
 
 from compiler.errors import ConfigError
 from compiler.formats.int8 import Int8Linear
+from compiler.formats.kv_quant import INT8, Int8KVQuant
 from compiler.formats.qlinear import quantized_modules
 from compiler.io.types import LoadedModel
 
@@ -95,6 +115,8 @@ VERSION = "1.0.0"
 PART_BYTES = 4 << 30  # msModelSlim's default part_file_size (4 GB)
 FLOAT = "FLOAT"
 W8A8, W8A8_DYNAMIC, W8A16 = "W8A8", "W8A8_DYNAMIC", "W8A16"
+C8 = "C8"  # vllm-ascend's INT8 KV cache
+C8_BLOCK = 32  # channels per NZ block of its cache (attention_v1.py's _nz_5d_view)
 # msModelSlim's QUANT_TYPE_PRIORITY (ascendv1.py): model_quant_type is the highest one present.
 PRIORITY = (FLOAT, W8A16, W8A8_DYNAMIC, W8A8)
 # The layers vLLM fuses into one (its Llama/Qwen packed_modules_mapping: qkv_proj, gate_up_proj).
@@ -136,12 +158,8 @@ def ascend_v1_skip(loaded: LoadedModel) -> str | None:
 def check_ascend_v1(loaded: LoadedModel) -> None:
     """ConfigError (one line) for an INT8 artifact the AscendV1 layout cannot hold exactly as declared."""
     where = loaded.source.path
-    manifest = loaded.manifest or {}
-    if manifest.get("kv_cache"):
-        kind = manifest["kv_cache"].get("dtype", "?") if isinstance(manifest["kv_cache"], dict) else "?"
-        raise ConfigError(f"{where}: the artifact has a {kind} KV cache; AscendV1's only KV cache is vllm-ascend's "
-                          "INT8 'C8' (kv_cache_type) with its own per-layer scales, which qcompile does not write; "
-                          "compile without kv_cache_dtype for vllm-ascend")
+    if why := c8_refusal((loaded.manifest or {}).get("kv_cache"), loaded.model.config.head_dim):
+        raise ConfigError(f"{where}: {why}")
     int8 = {n: m for n, m in quantized_modules(loaded.model).items() if isinstance(m, Int8Linear)}
     if not int8:
         return
@@ -172,6 +190,19 @@ def check_ascend_v1(loaded: LoadedModel) -> None:
                     raise ConfigError(f"{where}: {block.rstrip('.')}'s {short} have different static input scales / "
                                       f"zero points {sorted(qparams)}; vllm-ascend keeps one for the fused layer; "
                                       "use activation_scheme = \"dynamic\"")
+
+
+def c8_refusal(kv_cache: dict | None, head_dim: int | None) -> str | None:
+    """Why vllm-ascend's C8 cannot hold a KV-cache entry (its ``dtype`` read), or None."""
+    if not kv_cache:
+        return None
+    if kv_cache.get("dtype") != INT8:
+        return (f"a KV cache ({kv_cache.get('dtype')}): AscendV1's one KV cache is vllm-ascend's INT8 'C8'; compile "
+                "with the int8 pass's kv_cache_dtype = \"int8\", or without kv_cache_dtype")
+    if head_dim is not None and head_dim % C8_BLOCK:
+        return (f"an INT8 KV cache with head_dim {head_dim}: vllm-ascend's C8 cache holds K/V in blocks of "
+                f"{C8_BLOCK} channels, so head_dim must be a multiple of {C8_BLOCK}; compile without kv_cache_dtype")
+    return None
 
 
 def serving_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -300,9 +331,32 @@ def ascend_v1_tensors(loaded: LoadedModel) -> tuple[dict[str, torch.Tensor], dic
             t = rounding.cast("float tensors (embeddings, norms, float layers)", t.detach(), dtype)
         tensors[f"{hf_name(module)}.{leaf}"] = t.detach().contiguous()
         description[f"{hf_name(module)}.{leaf}"] = FLOAT
-    model_quant_type = max(kinds, key=PRIORITY.index)
-    header = {"version": VERSION, "model_quant_type": model_quant_type, "metadata": {}, "group_size": 0, "optional": {}}
+    header = {"version": VERSION, "model_quant_type": max(kinds, key=PRIORITY.index), "metadata": {}, "group_size": 0,
+              "optional": {}}
+    c8 = c8_tensors(model, dtype, rounding)
+    if c8:
+        tensors |= c8
+        description |= dict.fromkeys(c8, C8)
+        header |= {"kv_cache_type": C8, "kv_quant_type": C8}  # msModelSlim writes both; vllm-ascend reads the first
     return tensors, header | dict(sorted(description.items())), rounding.notes(str(dtype).removeprefix("torch."))
+
+
+def c8_tensors(model: torch.nn.Module, dtype: torch.dtype, rounding: _Rounding) -> dict[str, torch.Tensor]:
+    """vllm-ascend's C8 tensors (HF name -> tensor) of the model's INT8 K/V rounding (none without one)."""
+    out = {}
+    for i, layer in enumerate(model.layers):
+        quant = layer.self_attn.kv_quant
+        if not isinstance(quant, Int8KVQuant):
+            return {}
+        for proj, scale in (("k_proj", quant.k_scale), ("v_proj", quant.v_scale)):
+            prefix = hf_name(f"layers.{i}.self_attn.{proj}")
+            written = rounding.cast("C8 KV-cache scales", scale.detach(), dtype)
+            # vllm-ascend quantizes by the reciprocal, computed in the model dtype: 1 / (1 / s').to(dt)
+            rounding.cast("C8 KV-cache scales (as the reciprocal it quantizes by)", scale.detach(), dtype,
+                          1 / (1 / written).to(dtype).float())
+            out[f"{prefix}.kv_cache_scale"] = written.contiguous()
+            out[f"{prefix}.kv_cache_offset"] = torch.zeros(scale.numel(), dtype=dtype)
+    return out
 
 
 def write_weights(directory: Path, tensors: dict[str, torch.Tensor], part_bytes: int = PART_BYTES) -> list[str]:

@@ -10,14 +10,18 @@ as 1 + w, a MoE layer's experts stacked into one tensor per projection. The weig
     int4, asymmetric                          Q4_1: d = s, m = -s * z rounded to float16 (the notes
                                               say by how much that moves each layer's weights)
     int4 of group 64 / 128 / 256              the group's scale repeated over its 32-blocks (lossless)
+    int8, weight-only (W8A16)                 Q8_0: the codes, d = the row's scale in float16 over each 32-block:
+                                              exact for the awq pass's (float16 values), else the notes
+                                              say how far each layer's scales move
     float matrices                            F32 / F16 / BF16 (``float_type``; default the artifact's dtype)
     the embedding (and a head tied to it)     float, or Q8_0 by round-to-nearest when asked (``embedding_type``),
                                               as llama.cpp's Q4 files store it; the notes say by how much
     norms, biases, routers                    F32
 
 Anything the file cannot hold exactly is refused before any work (``check_artifact``): FP8
-layers, an input shift or outlier channels, INT4 zero-padded rows, a KV-cache format, an
-architecture feature llama.cpp's model for it does not have. The tokenizer is the source GGUF's
+layers, INT8 layers with INT8 activations (W8A8), an input shift or outlier channels, INT4
+zero-padded rows, rows 32 does not divide, a KV-cache format, an architecture feature llama.cpp's
+model for it does not have. A mix of INT4 and INT8 layers (``average_bits``) is written layer by layer. The tokenizer is the source GGUF's
 own metadata when the artifact was compiled from a GGUF file that is still there (llama.cpp's
 tokenizer exactly), else the artifact's byte-level BPE tokenizer written as the converter does.
 The notes and the artifact's manifest hash go into the file (``qcompile.*`` keys).
@@ -34,6 +38,7 @@ import torch
 from compiler.errors import ArtifactError, ConfigError
 from compiler.formats.gguf_block import GgufLinear
 from compiler.formats.int4 import Int4Linear
+from compiler.formats.int8 import Int8Linear
 from compiler.io.artifact import check_lowered_entries, load_artifact, manifest_sha256, read_manifest
 from compiler.io.atomic import atomic_file_write
 from compiler.model.architectures import FULL, SLIDING
@@ -84,9 +89,12 @@ def check_module(module: str, fmt: dict) -> str | None:
         return None if group % 32 == 0 else f"int4 group size {group}: GGUF blocks are 32 wide; use 32, 64, 128 or 256"
     if name == "fp8":
         return "fp8 weights: no GGUF block type holds FP8 codes and scales; compile with the awq pass (format = \"gguf:q4_k_m\" or \"int4\")"
+    if name == "int8" and fmt.get("activation_scheme") != "none":
+        return (f"int8 weights with {fmt.get('activation_scheme')} INT8 activations (W8A8): llama.cpp quantizes a Q8_0 "
+                "layer's activations its own way (per 32 values); compile with activation_scheme = \"none\" (W8A16)")
     if name == "int8":
-        return ("int8 weights with a float32 scale per row: GGUF's Q8_0 holds a float16 scale per 32 weights, so "
-                "they would be re-quantized; compile with the awq pass (format = \"gguf:q4_k_m\") or lower the float model")
+        k = fmt.get("in_features", 0)
+        return None if k % 32 == 0 else f"int8 rows of {k} weights: Q8_0 blocks are 32 wide; keep the layer in float"
     return f"weight format {name!r}, which GGUF cannot hold; compile with the awq pass (format = \"gguf:q4_k_m\")"
 
 
@@ -113,14 +121,16 @@ def check_config(config: ModelConfig) -> str | None:
 
 
 def check_artifact(manifest: dict, where: str) -> None:
-    """Raise ConfigError, before any work, for anything in the artifact a GGUF file cannot hold exactly."""
-    check_lowered_entries(manifest, "gguf", LOWERED_ENTRIES, where)
+    """Raise ConfigError, before any work, for anything in the artifact a GGUF file cannot hold exactly
+    (a KV cache with scales says so before the generic refusal of an entry the lowering does not take)."""
     from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
 
     modules = manifest.get("modules", {})
     check_formats("gguf", modules, where)
     config = ModelConfig.from_dict(manifest["model_config"])
-    check_plan("gguf", DeploymentPlan(manifest["dtype"], modules, config=config, serving=manifest.get("serving")), where)
+    check_plan("gguf", DeploymentPlan(manifest["dtype"], modules, kv_cache=manifest.get("kv_cache"), config=config,
+                                      serving=manifest.get("serving")), where)
+    check_lowered_entries(manifest, "gguf", LOWERED_ENTRIES, where)
 
 
 def check_plan(plan) -> str | None:
@@ -130,8 +140,11 @@ def check_plan(plan) -> str | None:
     if kv and kv not in ("auto", plan.dtype, "float16", "bfloat16"):  # llama.cpp's f16 / bf16 caches, chosen when served
         return (f"a serving plan that stores K/V as {kv}: llama.cpp's caches (--cache-type-k) carry no FP8 scales; "
                 "set the paged_kv pass's kv_dtype = \"auto\"")
-    if plan.kv_cache:
-        return "an FP8 KV cache with calibrated scales: llama.cpp's KV cache types carry no scales; compile without it"
+    from compiler.deploy.targets import planned_kv_cache
+
+    if kv := planned_kv_cache(plan):
+        return (f"a KV cache ({kv['dtype']}) with calibrated scales: llama.cpp's KV cache types carry no scales; "
+                "compile without kv_cache_dtype")
     return None
 
 
@@ -171,11 +184,27 @@ def _int4_as_blocks(m: Int4Linear, notes: list[str], name: str) -> Stored:
     return Stored(t.pack(codes, fields), t.ggml)
 
 
+def _int8_as_q8_0(m: Int8Linear, notes: list[str], name: str) -> Stored:
+    """Q8_0 of a W8A16 INT8 layer: its codes (stored + 128), its row's scale as each 32-block's d in float16."""
+    t = BLOCK_TYPES["q8_0"]
+    scale = m.weight_scale.float()
+    d = scale.to(torch.float16)
+    moved = float(((d.float() - scale).abs() / scale).max())
+    if moved:
+        notes.append(f"{name}: Q8_0's d = the row's INT8 scale rounded to float16 moves its weights by up to "
+                     f"{moved:.1e} (relative)")
+    codes = (m.weight.to(torch.int16) + 128).to(torch.uint8)
+    d = d[:, None].expand(-1, m.in_features // t.super).contiguous()
+    return Stored(t.pack(codes, {"d": d}), t.ggml)
+
+
 def _module_tensor(m, name: str, notes: list[str], float_type: str) -> Stored:
     if isinstance(m, GgufLinear):
         return Stored(m.type.pack(m.codes, m.fields()), m.type.ggml)
     if isinstance(m, Int4Linear):
         return _int4_as_blocks(m, notes, name)
+    if isinstance(m, Int8Linear):
+        return _int8_as_q8_0(m, notes, name)
     return _float(m.weight, float_type)
 
 
@@ -216,7 +245,7 @@ def model_tensors(model, config: ModelConfig, float_type: str, notes: list[str],
     for module_name, module in model.named_modules():
         if module_name == "lm_head" and config.tie_embeddings:
             continue
-        is_linear = isinstance(module, (GgufLinear, Int4Linear, torch.nn.Linear))
+        is_linear = isinstance(module, (GgufLinear, Int4Linear, Int8Linear, torch.nn.Linear))
         if not is_linear and not any(True for _ in module.parameters(recurse=False)):
             continue
         hf = "model." + module_name if module_name != "lm_head" else module_name

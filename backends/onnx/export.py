@@ -5,7 +5,7 @@ weights moved to ``weights.data``, and the decode graph's weight initializers ar
 the prefill's external references (same names, same offsets), so the weights are on disk once.
 
 Every entry a pass declared in the artifact's manifest is either lowered or refused before
-anything is written (``lowered_entries``): the FP8 KV cache is rounded in the graphs; the serving
+anything is written (``lowered_entries``): the FP8 or INT8 KV cache is rounded in the graphs; the serving
 plan's paging settings do not apply to the bundle's contiguous cache, but a KV dtype it would
 round K/V to and the bundle cannot hold is refused; anything else is refused.
 """
@@ -72,7 +72,7 @@ class OnnxExportOptions:
 
 
 def layer_exports(model: Transformer, dequantize: bool, accuracy_level: int = 0) -> dict[str, str]:
-    """How each quantized module, and an FP8 KV cache (``layers.i.self_attn.kv_cache``), is
+    """How each quantized module, and an FP8 or INT8 KV cache (``layers.i.self_attn.kv_cache``), is
     exported (the report lists these; float layers and a float cache stay float)."""
     out = {}
     for name, m in quantized_modules(model).items():

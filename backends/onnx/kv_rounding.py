@@ -12,7 +12,7 @@ from onnx import TensorProto
 
 from backends.onnx.ops import ONNX_DTYPES, GraphBuilder
 from compiler.errors import ConfigError
-from compiler.formats.fp8_kv import Fp8KVQuant
+from compiler.formats.kv_quant import INT8_MAX, INT8_MIN, Fp8KVQuant, Int8KVQuant
 from compiler.model.transformer import Transformer
 from compiler.quant.fp8 import FP8_DTYPES, fp8_max
 
@@ -50,22 +50,48 @@ def fp8_round_trip(b: GraphBuilder, x: str, scale: torch.Tensor, dtype_name: str
     return b.op("Cast", [out], scope, to=ONNX_DTYPES[b.dtype]) if b.dtype != "float32" else out
 
 
+def int8_round_trip(b: GraphBuilder, x: str, scale: torch.Tensor, reciprocal: torch.Tensor, heads: int, name: str,
+                    scope: str, head_axis: int = 1) -> str:
+    """x [B, H, T, D] (heads on ``head_axis`` of 4; [B, T, H, D]: 2) -> ``Int8KVQuant``'s rounding op for
+    op, in float32: Cast(Clip(Round(x * reciprocal), -128, 127), int8) back to float, times scale (Round is
+    half to even, as torch.round); ``scale`` / ``reciprocal`` [H * D] become the initializers ``name`` and
+    ``name``.reciprocal. Only standard opset-17 ops."""
+    f32 = np.float32
+    shape = [1, 1, 1, -1]
+    shape[head_axis] = heads
+    s = b.weight(name, scale.detach().float().reshape(shape).cpu().numpy(), f32)
+    r = b.weight(f"{name}.reciprocal", reciprocal.detach().float().reshape(shape).cpu().numpy(), f32)
+    h = b.op("Cast", [x], scope, to=TensorProto.FLOAT) if b.dtype != "float32" else x
+    clipped = b.op("Clip", [b.op("Round", [b.op("Mul", [h, r], scope)], scope), b.const(float(INT8_MIN), scope, f32),
+                            b.const(float(INT8_MAX), scope, f32)], scope)
+    codes = b.op("Cast", [b.op("Cast", [clipped], scope, to=TensorProto.INT8)], scope, to=TensorProto.FLOAT)
+    out = b.op("Mul", [codes, s], scope)
+    return b.op("Cast", [out], scope, to=ONNX_DTYPES[b.dtype]) if b.dtype != "float32" else out
+
+
 def kv_rounding(b: GraphBuilder, attn: nn.Module, k: str, v: str, scope: str, head_axis: int = 1) -> tuple[str, str]:
     """K and V (4-d, heads on ``head_axis``) as the layer's ``kv_quant`` hands them to its cache (unchanged without one)."""
     quant = attn.kv_quant
     if quant is None:
         return k, v
+    if isinstance(quant, Int8KVQuant):
+        heads = attn.config.n_kv_heads
+        return (int8_round_trip(b, k, quant.k_scale, quant.k_reciprocal, heads, f"{scope}.k_scale", scope, head_axis),
+                int8_round_trip(b, v, quant.v_scale, quant.v_reciprocal, heads, f"{scope}.v_scale", scope, head_axis))
     if not isinstance(quant, Fp8KVQuant):
         raise ConfigError(f"{scope}: K/V hook {type(quant).__name__} is not one the ONNX lowering knows "
-                          "(it lowers the FP8 KV cache, Fp8KVQuant)")
+                          "(it lowers the FP8 and INT8 KV caches, Fp8KVQuant and Int8KVQuant)")
     return (fp8_round_trip(b, k, quant.k_scale, quant.dtype_name, f"{scope}.k_scale", scope, head_axis),
             fp8_round_trip(b, v, quant.v_scale, quant.dtype_name, f"{scope}.v_scale", scope, head_axis))
 
 
 def kv_cache_export(model: Transformer) -> str | None:
-    """How the graphs hold K/V when the model rounds them through FP8 (None: the graph's dtype)."""
+    """How the graphs hold K/V when the model rounds them through FP8 or INT8 (None: the graph's dtype)."""
     quant = model.layers[0].self_attn.kv_quant if len(model.layers) else None
-    if not isinstance(quant, Fp8KVQuant):
+    if isinstance(quant, Int8KVQuant):
+        kind, granularity = "int8", "per-channel"
+    elif isinstance(quant, Fp8KVQuant):
+        kind, granularity = quant.dtype_name, "per-head" if quant.k_scale.numel() > 1 else "per-tensor"
+    else:
         return None
-    granularity = "per-head" if quant.k_scale.numel() > 1 else "per-tensor"
-    return f"K/V rounded through {quant.dtype_name} ({granularity} scales) in the graph, held in the graph's dtype"
+    return f"K/V rounded through {kind} ({granularity} scales) in the graph, held in the graph's dtype"

@@ -18,7 +18,8 @@ the ``weights`` / ``input_activations`` quantization args and the on-disk ``form
     int8, activation_scheme none -> pack-quantized   weights int 8-bit per channel, no activations (W8A16;
                                                      vLLM runs it on GPUs: its CPU build's weight-only
                                                      kernel, CPUWNA16, takes 4-bit weights only)
-    FP8 KV cache (manifest)     -> kv_cache_scheme   float 8-bit, per tensor, static (k_scale / v_scale)
+    FP8 KV cache (manifest)     -> kv_cache_scheme   float 8-bit, per tensor, static (k_scale / v_scale);
+                                                     an INT8 KV cache has no compressed-tensors form (refused)
 
 ``check_module`` says, for one manifest entry, why no stock vLLM kernel runs it (or None);
 ``check_plan`` the same for what no single entry shows: the architecture and its dtype
@@ -35,7 +36,8 @@ import json
 import re
 from typing import Any
 
-from compiler.deploy.targets import DeploymentPlan
+from compiler.deploy.targets import DeploymentPlan, planned_kv_cache
+from compiler.formats.kv_quant import INT8
 from compiler.model.config import ModelConfig
 
 CT_FP8 = "float8_e4m3fn"  # compressed-tensors' one 8-bit float type (and vLLM's FP8 kernels')
@@ -216,9 +218,12 @@ def _describe(fmt: dict | None) -> str:
 
 
 def check_kv_cache(entry: dict | None) -> str | None:
-    """None when vLLM runs the manifest's FP8 KV cache exactly (or there is none), else why not."""
+    """None when vLLM runs the manifest's KV cache exactly (FP8 E4M3 per tensor; or there is none), else why not."""
     if not entry:
         return None
+    if entry.get("dtype") == INT8:
+        return ("an INT8 KV cache: compressed-tensors' kv_cache_scheme, which vLLM reads, is FP8 only; lower it to "
+                "ascend (vllm-ascend's C8 cache), or compile with kv_cache_dtype = \"none\"")
     if entry.get("dtype") != CT_FP8:
         return (f"FP8 KV cache of dtype {entry.get('dtype')!r}: compressed-tensors' kv_cache_scheme is E4M3; "
                 f"set kv_cache_dtype = \"{CT_FP8}\"")
@@ -309,10 +314,9 @@ def check_plan(plan: DeploymentPlan) -> str | None:
     if "lm_head" in plan.formats:
         return "a quantized lm_head (qcompile exports lm_head in the model dtype); keep lm_head in modules_to_not_convert"
     serving = plan.serving or {}
-    kv, kv_dtype, int4_compute = plan.kv_cache, serving.get("kv_dtype", "auto"), serving.get("int4_compute", "w4a16")
-    for name, options in plan.passes:  # a pipeline's FP8 KV cache and serving plan, before the passes run
-        if name == "fp8" and getattr(options, "kv_cache_dtype", "none") != "none":
-            kv = {"dtype": options.kv_cache_dtype, "granularity": options.kv_cache_granularity}
+    kv_dtype, int4_compute = serving.get("kv_dtype", "auto"), serving.get("int4_compute", "w4a16")
+    kv = planned_kv_cache(plan)  # a pipeline's, before the passes run
+    for name, options in plan.passes:  # a pipeline's serving plan, before the passes run
         if name == "paged_kv":
             kv_dtype, int4_compute = options.kv_dtype, options.int4_compute
     experts = expert_linears(config) if config is not None else None

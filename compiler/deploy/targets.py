@@ -31,6 +31,16 @@ class DeploymentPlan:
     serving: dict | None = None  # the manifest's "serving" entry (the paged_kv pass's resolved plan)
 
 
+def planned_kv_cache(plan: DeploymentPlan) -> dict | None:
+    """The KV-cache entry ``plan`` declares (``dtype``, ``granularity``; an artifact's has its scales too):
+    the manifest's, or the one a pipeline's pass will write (its ``kv_cache_dtype``)."""
+    kv = plan.kv_cache
+    for _, options in plan.passes:
+        if getattr(options, "kv_cache_dtype", "none") != "none":
+            kv = {"dtype": options.kv_cache_dtype, "granularity": options.kv_cache_granularity}
+    return kv
+
+
 @dataclass(frozen=True)
 class TargetSpec:
     name: str

@@ -138,17 +138,19 @@ class Int8Linear(QuantizedLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: Int8Format | None = None, weight: torch.Tensor | None = None,
-                    input_qparams: tuple[float, int | None] | None = None) -> "Int8Linear":
+                    input_qparams: tuple[float, int | None] | None = None,
+                    scale: torch.Tensor | None = None) -> "Int8Linear":
         """Quantize ``linear`` into ``fmt`` (default dynamic symmetric W8A8). ``weight`` replaces the
         layer's weight on the grid of the original weight's scales (GPTQ's compensated weight);
-        ``input_qparams`` (scale, zero point or None) are a static format's calibrated ones."""
+        ``input_qparams`` (scale, zero point or None) are a static format's calibrated ones; ``scale``
+        [N] replaces the abs-max weight scales (the awq pass's float16-valued ones)."""
         fmt = fmt or Int8Format.for_linear(linear)
         if (fmt.in_features, fmt.out_features) != (linear.in_features, linear.out_features):
             raise ValueError(f"format is {fmt.in_features} -> {fmt.out_features}, the linear "
                              f"{linear.in_features} -> {linear.out_features}")
         if fmt.static != (input_qparams is not None):
             raise ValueError("pass input_qparams exactly when the format's activations are static")
-        scale = weight_scale(linear.weight)
+        scale = weight_scale(linear.weight) if scale is None else scale.float()
         m = cls(fmt, linear.bias is not None, linear.weight.dtype).to(linear.weight.device)
         m.weight.copy_(quantize_weight((linear.weight if weight is None else weight).detach(), scale))
         m.weight_scale.copy_(scale)

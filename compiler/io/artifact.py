@@ -39,7 +39,7 @@ import compiler.formats.gguf_block  # noqa: F401  (registers the gguf weight for
 import compiler.formats.int4  # noqa: F401  (registers the int4 weight format)
 import compiler.formats.int8  # noqa: F401  (registers the int8 weight format)
 from compiler.errors import ArtifactError, ConfigError
-from compiler.formats.fp8_kv import install_kv_quant
+from compiler.formats.kv_quant import install_kv_quant
 from compiler.formats.qlinear import format_class, quantized_modules
 from compiler.io.atomic import atomic_directory_write
 from compiler.io.shards import INDEX, WEIGHTS, ShardWriter, tensor_sha256, weight_files

@@ -1,7 +1,8 @@
 """What ``qcompile inspect`` (and ``qcompile.inspect``) reports about an artifact, read from its
 manifest alone (the weights are not read): passes, formats, per-layer sizes and bits per weight,
-and for INT4 layers what the engine's CPU forward runs on this machine under the artifact's serving
-plan (``cpu_kernel``, with the ISA level of qcompile's kernels: ``cpu_isa``)."""
+for INT4 layers what the engine's CPU forward runs on this machine under the artifact's serving
+plan (``cpu_kernel``, with the ISA level of qcompile's kernels: ``cpu_isa``), and the layers whose
+quantization costs most (``sensitive``: by the passes' ``kl_alone`` where measured, else ``output_error``)."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
@@ -53,6 +54,7 @@ def artifact_summary(path: str | Path) -> dict:
         "formats": dict(Counter(layer["format"] for layer in layers)),
         "cpu_isa": cpu_isa_in_use(),
         "layers": layers,
+        "sensitive": most_sensitive(manifest["passes"]),
         "size": {"weights_bytes": weights_bytes,
                  "total_bytes": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
                  "source_bytes": manifest["source"].get("size_bytes", 0)},
@@ -65,3 +67,22 @@ def _int4_cpu_kernel(meta: dict, out_features: int, int4_compute: str) -> str:
         return W4A8.describe()
     why = layer_unsupported_reason(out_features, meta["padded_in_features"], meta["group_size"])
     return f"reference: {why}" if why else KERNEL
+
+
+SENSITIVE_SHOWN = 10
+
+
+def most_sensitive(reports: list[dict], top: int = SENSITIVE_SHOWN) -> list[dict]:
+    """The ``top`` converted layers that cost most, from the pass reports' rows (a later pass's row of a
+    module replaces an earlier one's): by ``kl_alone`` (the end-to-end KL of the layer alone quantized)
+    when any row has it, else by ``output_error``."""
+    rows: dict[str, dict] = {}
+    for report in reports:
+        for row in report.get("layers", []):
+            metrics = row.get("metrics", {})
+            if row["format"] != "float" and metrics.get("output_error") is not None:
+                rows[row["module"]] = {"module": row["module"], "format": row["format"], "pass": report["name"],
+                                       "output_error": metrics["output_error"], "kl_alone": metrics.get("kl_alone")}
+    key = "kl_alone" if any(r["kl_alone"] is not None for r in rows.values()) else "output_error"
+    ranked = sorted((r for r in rows.values() if r[key] is not None), key=lambda r: r[key], reverse=True)
+    return ranked[:top]

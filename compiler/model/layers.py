@@ -153,7 +153,7 @@ class Attention(nn.Module):
         # ** -0.5, so q is pre-multiplied by the ratio (1 where they agree, as in Gemma 3 270M).
         scalar = config.query_pre_attn_scalar
         self.q_scale = 1.0 if scalar is None or scalar == hd else math.sqrt(hd / scalar)
-        # Optional (k, v) -> (k, v) rounding of an FP8 KV cache (compiler.formats.fp8_kv): applied here,
+        # Optional (k, v) -> (k, v) rounding of an FP8 or INT8 KV cache (compiler.formats.kv_quant): applied here,
         # before any cache, so cache-less evaluation sees the K/V a quantized cache would hold.
         self.kv_quant: nn.Module | None = None
         self.qkv_proj: nn.Module | None = None  # q, k and v side by side once the engine fuses them (fusion.py)

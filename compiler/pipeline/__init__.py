@@ -32,7 +32,14 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from calib import CalibrationConfig, calibration_windows, corpus_parts, load_corpus_text, split_tokens
+from calib import (
+    CalibrationConfig,
+    calibration_windows,
+    corpus_parts,
+    evaluation_windows,
+    load_corpus_text,
+    split_tokens,
+)
 from calib.protocol import TokenSplit
 from compiler.errors import (
     ConfigError,
@@ -60,7 +67,9 @@ class LayerDecision:
     """One row of a pass report: what the pass did with one module, and why.
 
     In the manifest: ``{"module": "layers.0.mlp.down_proj", "format": "int4", "reason": "requested",
-    "metrics": {"group_size": 128, "rel_error_awq": 0.031, ...}}``.
+    "metrics": {"group_size": 128, "output_error": 0.031, ...}}``. Every quantizing pass gives a
+    converted layer ``output_error``: the relative output error it adds on calibration inputs,
+    ||X (W_q - W)ᵀ|| / ||X Wᵀ|| (``qcompile inspect``'s most sensitive layers are ranked by it).
     """
 
     module: str  # the full module name
@@ -109,6 +118,13 @@ class PassContext:
         c = self.calibration
         pools = [split.pool for split in self.token_splits()]
         return calibration_windows(pools, samples or c.samples, seq_len or c.seq_len, c.seed)
+
+    def validation_windows(self, count: int) -> torch.Tensor:
+        """About ``count`` windows of ``seq_len`` tokens from the validation region of each corpus
+        (an equal share, one at least): where a pass scores its choices, never the evaluation region."""
+        splits = self.token_splits()
+        share = max(1, count // len(splits))
+        return torch.cat([evaluation_windows(s.validation, share, self.calibration.seq_len) for s in splits])
 
     def input_statistics(self, model: torch.nn.Module, windows: torch.Tensor, requests: dict[str, InputRequest],
                          kv_heads: bool = False, label: str = "calibrating", batch_size: int = 4) -> CalibrationStatistics:
@@ -186,6 +202,14 @@ class Pass:
         for i in track(range(len(model.layers)), f"{self.name}: blocks", total=len(model.layers)):
             stream.block(i)
         return stream.finish()
+
+
+def output_error_summary(layers: list[LayerDecision]) -> dict[str, float]:
+    """Mean and max ``output_error`` over the converted layers that measured one (none: {})."""
+    errors = [r.metrics["output_error"] for r in layers if r.format != "float" and r.metrics.get("output_error") is not None]
+    if not errors:
+        return {}
+    return {"mean_output_error": sum(errors) / len(errors), "max_output_error": max(errors)}
 
 
 PASSES: dict[str, type[Pass]] = {}
@@ -269,8 +293,14 @@ class Pipeline:
         properties = set(INITIAL_PROPERTIES)
         claimed: dict[str, str] = {}
         formats: dict[str, dict] = {}
+        kv_cache = None  # the pass that declares the manifest's one KV-cache entry
         for i, p in enumerate(self.passes):
             where = f"passes[{i}] ({p.name})"
+            if getattr(p.options, "kv_cache_dtype", "none") != "none":
+                if kv_cache:
+                    raise PipelineValidationError(f"{where}: kv_cache_dtype: {kv_cache} already declares the KV "
+                                                  "cache, and an artifact has one; set it in one pass")
+                kv_cache = where
             missing = p.requires - properties
             if missing:
                 providers = sorted(n for n, c in PASSES.items() if c.provides & missing)
@@ -325,5 +355,6 @@ class Pipeline:
         """Complete pass ``i``'s report (its options, wall time) and count the pass as run."""
         report.options = asdict(self.passes[i].options)
         report.wall_time_s = round(seconds, 3)
+        report.metrics |= output_error_summary(report.layers)
         context.history.append(self.passes[i].name)
         return report

@@ -15,7 +15,7 @@ returns one ``InputStatistics`` per module:
     shift, outliers        the channel mean and the r channels of largest second moment, when
                            ``centre`` / ``outlier_channels`` ask for them
 
-and, with ``kv_heads``, each attention layer's per-head K/V abs-max (``KVObserver``).
+and, with ``kv_heads``, each attention layer's K/V abs-max per channel (``KVObserver``).
 
 Two drivers run the forward:
 
@@ -48,7 +48,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-from compiler.formats.fp8_kv import KVObserver
+from compiler.formats.kv_quant import KVObserver
 from compiler.io.stream import trim_heap
 from compiler.progress import track
 
@@ -270,7 +270,7 @@ def collect_model(model: nn.Module, windows: torch.Tensor, requests: dict[str, I
                   kv_heads: bool = False, batch_size: int = 4, label: str = "calibrating",
                   sampler: TokenSampler | None = None, cache: "StatisticsCache | None" = None) -> CalibrationStatistics:
     """Run ``model`` over ``windows`` [S, T] in batches of ``batch_size`` and collect ``requests``
-    (module name -> InputRequest); with ``kv_heads``, each attention layer's K/V abs-max per head.
+    (module name -> InputRequest); with ``kv_heads``, each attention layer's K/V abs-max per channel.
     A ``cache`` (``PassContext``'s) returns what the model in the same state already gave (not
     with a ``sampler``, whose generator moves on)."""
     run = lambda: _collect_model(model, windows, requests, kv_heads, batch_size, label, sampler, cache)  # noqa: E731

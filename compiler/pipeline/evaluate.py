@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
 from calib import evaluation_windows, load_corpus_text, perplexity, split_tokens
-from calib.kl_divergence import KLDivergence, LogitsReference, Reference, encode_compact
-from compiler.errors import ConfigError
+from calib.kl_divergence import KLDivergence, LogitsReference, Reference, TopLogProbs, encode_compact
+from compiler.errors import ConfigError, QCompileError
 from compiler.io.kl_reference import ReferenceInfo, is_reference_file, read_reference, tokens_sha256, write_reference
 from compiler.io.load import load_checkpoint
 from compiler.io.types import LoadedModel
@@ -81,6 +82,41 @@ def compare_to_reference(candidate: LoadedModel, reference: LoadedModel | str | 
     Returns the statistics with corpus, split, windows, tokens, the reference as given and the
     reference model's path (the one a reference file was saved from)."""
     check_reference_options(reference, save_reference, plot)
+    windowed = reference_windows(candidate, reference, corpus, windows, split, eval_len)
+    stats = score_windows(windowed, {"candidate": lambda batch: scored_logits(candidate, batch)}, save_reference)["candidate"]
+    result = {**stats.result(), **windowed.describe()}
+    if plot is not None:
+        plot_kld_histogram(stats.token_kld(), plot, f"per-token KL divergence of {Path(candidate.source.path).name} "
+                                                    f"against {Path(windowed.model_name).name} ({result['tokens']} tokens)")
+    return result
+
+
+Scorer = Callable[[torch.Tensor], "torch.Tensor | TopLogProbs"]
+"""A candidate runtime: for windows [B, T], its next-token distributions at tokens 1..T-1 of each
+window, window by window — logits [B·(T-1), V], or ``TopLogProbs`` where it returns only some tokens'."""
+
+
+@dataclass
+class ReferenceWindows:
+    """The evaluation windows and the reference's distributions on them, checked to be comparable."""
+
+    batch: torch.Tensor  # [windows, eval_len] token ids
+    corpus: str
+    split: str
+    name: str  # the reference as given
+    model_name: str  # the reference model's path (the one a reference file was saved from)
+    info: ReferenceInfo
+    references: Iterator[Reference]  # one per BATCH_SIZE windows, read (or computed) as they are scored
+
+    def describe(self) -> dict:
+        return {"corpus": self.corpus, "split": self.split, "windows": len(self.batch), "reference": self.name,
+                "reference_model": self.model_name}
+
+
+def reference_windows(candidate: LoadedModel, reference: LoadedModel | str | Path, corpus: str = "pydoc",
+                      windows: int = 16, split: str = "evaluation", eval_len: int = 512) -> ReferenceWindows:
+    """The windows of ``candidate``'s tokenizer and ``reference`` on them (a model, or a reference file
+    checked against the windows), before any candidate runs: a mismatch is one line, at once."""
     if not isinstance(reference, LoadedModel):
         reference = load_reference(reference)
     batch = evaluation_batch(candidate.tokenizer, corpus, windows, eval_len, split)
@@ -95,21 +131,33 @@ def compare_to_reference(candidate: LoadedModel, reference: LoadedModel | str | 
         name, model_name = str(reference), reference_file.info.reference
         references = (reference_file.positions(start, min(start + BATCH_SIZE, windows))
                       for start in range(0, windows, BATCH_SIZE))
-
-    stats = KLDivergence()
     info = ReferenceInfo(corpus, split, windows, eval_len, vocab_size, model_name, tokens_sha256(batch))
-    with _writer(save_reference, info, batch) as writer:
-        for start, ref in zip(range(0, windows, BATCH_SIZE), references):
+    return ReferenceWindows(batch, corpus, split, name, model_name, info, references)
+
+
+def score_windows(windowed: ReferenceWindows, scorers: dict[str, Scorer], save_reference: Path | None = None,
+                  failures: dict[str, str] | None = None) -> dict[str, KLDivergence]:
+    """Each scorer's statistics against the reference on the same windows, ``BATCH_SIZE`` windows at a
+    time, the reference read (or run) once per batch for all of them. ``save_reference`` writes the
+    reference's file on the way. With ``failures``, a scorer that fails (a ``QCompileError``, or
+    non-finite output) is dropped with its message there and the others go on; without, it raises."""
+    stats = {name: KLDivergence() for name in scorers}
+    live = dict(scorers)
+    batch = windowed.batch
+    with _writer(save_reference, windowed.info, batch) as writer:
+        for start, ref in zip(range(0, len(batch), BATCH_SIZE), windowed.references):
             windows_batch = batch[start:start + BATCH_SIZE]
             if writer is not None:
                 writer.append(encode_compact(ref.logits, ref.targets))
-            stats.add(ref, _scored_logits(candidate, windows_batch), windows_batch[:, 1:].reshape(-1))
-    result = {**stats.result(), "corpus": corpus, "split": split, "windows": windows, "reference": name,
-              "reference_model": model_name}
-    if plot is not None:
-        plot_kld_histogram(stats.token_kld(), plot, f"per-token KL divergence of {Path(candidate.source.path).name} "
-                                                    f"against {Path(model_name).name} ({result['tokens']} tokens)")
-    return result
+            for name, score in list(live.items()):
+                try:
+                    stats[name].add(ref, score(windows_batch), windows_batch[:, 1:].reshape(-1))
+                except (QCompileError, FloatingPointError) as e:
+                    if failures is None:
+                        raise
+                    failures[name] = str(e)
+                    del live[name]
+    return {name: stats[name] for name in live}
 
 
 def _check_comparable(reference: LoadedModel, batch: torch.Tensor, vocab_size: int, corpus: str, split: str) -> None:
@@ -123,7 +171,7 @@ def _check_comparable(reference: LoadedModel, batch: torch.Tensor, vocab_size: i
                               "compare models that share a tokenizer")
 
 
-def _scored_logits(loaded: LoadedModel, windows: torch.Tensor) -> torch.Tensor:
+def scored_logits(loaded: LoadedModel, windows: torch.Tensor) -> torch.Tensor:
     """The logits that predict tokens 1..T-1 of each window -> [B · (T-1), V] float32."""
     model = loaded.model
     with torch.inference_mode():
@@ -134,7 +182,7 @@ def _scored_logits(loaded: LoadedModel, windows: torch.Tensor) -> torch.Tensor:
 def _model_references(reference: LoadedModel, batch: torch.Tensor) -> Iterator[Reference]:
     for start in range(0, len(batch), BATCH_SIZE):
         windows = batch[start:start + BATCH_SIZE]
-        yield LogitsReference(_scored_logits(reference, windows), windows[:, 1:].reshape(-1))
+        yield LogitsReference(scored_logits(reference, windows), windows[:, 1:].reshape(-1))
 
 
 @contextlib.contextmanager

@@ -70,6 +70,10 @@ def eval_cmd(
                                                   "reference model's log-probs to this file, to pass as --reference later."),
     plot: Optional[Path] = typer.Option(None, "--plot", dir_okay=False, help="Draw the histogram of per-token KL "
                                         "divergence to this PNG (with --reference)."),
+    runtimes: list[str] = typer.Option([], "--runtimes", help="With --reference: a row of statistics for each runtime "
+                                       "the artifact lowers to, a comma list of engine, onnx, vllm, gguf, triton."),
+    runtime_dir: Optional[Path] = typer.Option(None, "--runtime-dir", file_okay=False, help="With --runtimes: lower "
+                                               "into this folder and keep it (default: a temporary one)."),
     as_json: bool = json_option(),
     output_json: Optional[Path] = output_json_option(),
     allow_pickle: bool = typer.Option(False, "--allow-pickle"),
@@ -79,10 +83,23 @@ def eval_cmd(
     --reference, llama.cpp's KL-divergence statistics against a reference model on the same windows."""
     from compiler.io.load import load_checkpoint
     from compiler.pipeline.evaluate import check_reference_options, compare_to_reference, evaluate_perplexity, load_reference
-    from qcompile.cli.report import print_kl_divergence
+    from qcompile.cli.options import parse_list
+    from qcompile.cli.report import print_kl_divergence, print_runtime_kl_divergence
+    from qcompile.eval_runtimes import check_runtimes, compare_runtimes
 
+    runtimes = parse_list(runtimes, str, "--runtimes")
     check_reference_options(reference, save_reference, plot)
+    if runtimes:
+        check_runtimes(runtimes, reference, plot)
+        load_plugins()  # the lowerings
     loaded = load_checkpoint(path, dtype, allow_pickle)
+    if runtimes:
+        result = compare_runtimes(loaded, runtimes, load_reference(reference, dtype, allow_pickle), corpus, windows,
+                                  split, save_reference, runtime_dir=runtime_dir)
+        emit(result, as_json, output_json, lambda: print_runtime_kl_divergence(out, result))
+        if save_reference is not None:
+            (err if as_json else out).print(f"wrote {save_reference}")
+        return
     if reference is not None:
         ref = load_reference(reference, dtype, allow_pickle)
         result = compare_to_reference(loaded, ref, corpus, windows, split, save_reference, plot)

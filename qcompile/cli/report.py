@@ -1,11 +1,12 @@
 """Tables for pass reports and artifact summaries (``qcompile compile`` / ``inspect``), and the KL-divergence
-statistics of ``qcompile eval --reference``."""
+statistics of ``qcompile eval --reference`` (one runtime, or a row per runtime with ``--runtimes``)."""
 from __future__ import annotations
 
 from collections import Counter
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 
 def _fmt(v) -> str:
@@ -40,6 +41,7 @@ def print_summary(console: Console, s: dict) -> None:
         table.add_row(layer["module"], layer["format"], _fmt(layer.get("group_size", layer.get("block_type", ""))),
                       f"{layer['bits_per_weight']:.2f}", f"{layer['bytes'] / 2**20:.2f}")
     console.print(table)
+    print_sensitive(console, s.get("sensitive", []))
     size = s["size"]
     formats = ", ".join(f"{k}: {v}" for k, v in s["formats"].items())
     console.print(f"formats: {formats}")
@@ -49,6 +51,20 @@ def print_summary(console: Console, s: dict) -> None:
     console.print(f"qcompile's CPU kernels here: {s['cpu_isa'] or 'none'}")
     console.print(f"size on disk: weights {size['weights_bytes'] / 2**20:.1f} MiB, artifact {size['total_bytes'] / 2**20:.1f} MiB; "
                   f"source checkpoint {size['source_bytes'] / 2**20:.1f} MiB")
+
+
+def print_sensitive(console: Console, rows: list[dict]) -> None:
+    """The layers whose quantization costs most (``compiler.io.summary.most_sensitive``), if any was measured."""
+    if not rows:
+        return
+    by_kl = rows[0]["kl_alone"] is not None
+    table = Table(title=f"most sensitive layers (by {'KL of the layer alone' if by_kl else 'output error'})")
+    for col in ("module", "format", "pass", "output error", "KL alone"):
+        table.add_column(col, justify="left" if col in ("module", "format", "pass") else "right")
+    for r in rows:
+        table.add_row(r["module"], r["format"], r["pass"], f"{r['output_error']:.4f}",
+                      "" if r["kl_alone"] is None else f"{r['kl_alone']:.2e}")
+    console.print(table)
 
 
 # (label, key, how to show it) in llama.cpp's order and wording (``llama-perplexity --kl-divergence``).
@@ -87,3 +103,42 @@ def print_kl_divergence(console: Console, result: dict) -> None:
         show = (lambda v: f"{100 * v:.3f} %") if how == "percent" else (lambda v: f"{v:.6f}")
         table.add_row(label, show(value), "" if uncertainty is None else show(uncertainty))
     console.print(table)
+
+
+# (column, key, how to show it) of the one-row-per-runtime table (``qcompile eval --runtimes``).
+RUNTIME_COLUMNS = (
+    ("Mean KLD", "kld_mean", "plain"),
+    ("99.0% KLD", "kld_99", "plain"),
+    ("Same top p", "same_top", "percent"),
+    ("Mean PPL(Q)", "ppl", "plain"),
+    ("Mean ln(PPL(Q)/PPL(base))", "ln_ppl_ratio", "plain"),
+    ("RMS Δp", "rms_dp", "percent"),
+)
+
+
+def print_runtime_kl_divergence(console: Console, result: dict) -> None:
+    """One row per runtime (value ± its uncertainty), what each KLD sums over, then what ran each row."""
+    scored = [r for r in result["runtimes"] if "unavailable" not in r]
+    saved_from = f" (saved from {result['reference_model']})" if result["reference_model"] != result["reference"] else ""
+    base = f", Mean PPL(base) {scored[0]['ppl_base']:.6f}" if scored else ""
+    console.print(f"KL divergence against {result['reference']}{saved_from}: {result['corpus']}, {result['split']} "
+                  f"region, {result['windows']} windows{base}", markup=False)
+    table = Table()
+    table.add_column("runtime", justify="left")
+    for label, _, _ in RUNTIME_COLUMNS:
+        table.add_column(label, justify="right")
+    table.add_column("KL over", justify="left")
+    for row in result["runtimes"]:
+        if "unavailable" in row:
+            table.add_row(Text(row["runtime"]), *[""] * len(RUNTIME_COLUMNS), Text(f"not run: {row['unavailable']}"))
+            continue
+        cells = []
+        for _, key, how in RUNTIME_COLUMNS:
+            show = (lambda v: f"{100 * v:.3f} %") if how == "percent" else (lambda v: f"{v:.6f}")
+            uncertainty = row.get(f"{key}_uncertainty")
+            cells.append(show(row[key]) + ("" if uncertainty is None else f" ± {show(uncertainty)}"))
+        table.add_row(Text(row["runtime"]), *cells, Text(row["kl_over"]))  # Text: no markup read in messages
+    console.print(table)
+    for row in result["runtimes"]:
+        if row.get("runs"):
+            console.print(f"{row['runtime']}: {row['runs']}", markup=False)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from calib import kl_divergence
-from calib.kl_divergence import KLDivergence, LogitsReference, encode_compact
+from calib.kl_divergence import KLDivergence, LogitsReference, TopLogProbs, encode_compact
 
 
 def random_logits(n=700, vocab=64, seed=0, noise=0.5):
@@ -120,3 +120,60 @@ def test_nan_logits_raise(which):
     (cand if which == "candidate" else ref)[7, 3] = float("nan")
     with pytest.raises(FloatingPointError, match=f"the {which} model produced NaN or Inf logits"):
         accumulate(LogitsReference, ref, cand, targets)
+
+
+# -- a candidate that returns only its top-k and the target (a server's prompt log-probabilities) --
+
+
+def accumulate_top(reference_of, ref, cand, targets, k, windows=7):
+    """The statistics of ``cand`` as a runtime returning its top ``k`` tokens and the target gives them."""
+    stats = KLDivergence()
+    for idx in torch.arange(len(ref)).chunk(windows):
+        stats.add(reference_of(ref[idx], targets[idx]), TopLogProbs.from_logits(cand[idx], targets[idx], k), targets[idx])
+    return stats
+
+
+def full_kl(ref, cand):
+    """KL(p_base ‖ q) over the whole vocabulary, no cut, per position."""
+    log_p, log_q = torch.log_softmax(ref.double(), -1), torch.log_softmax(cand.double(), -1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+@pytest.mark.parametrize("sharpness", [1.0, 4.0])  # flat rows, and peaked ones (tokens below the cut among them)
+def test_top_k_kld_is_a_lower_bound_and_the_rest_exact(monkeypatch, sharpness):
+    monkeypatch.setattr(kl_divergence, "CHUNK_ELEMENTS", 64 * 30)  # several row chunks per window
+    ref, cand, targets = random_logits(noise=0.8)
+    ref, cand = sharpness * ref, sharpness * cand
+    full = accumulate(LogitsReference, ref, cand, targets)
+    full_kld = full.token_kld().astype(np.float64)  # llama.cpp's, with its cut at ln p_base = -16
+    if sharpness == 1:
+        np.testing.assert_allclose(full_kld, full_kl(ref, cand).numpy(), rtol=1e-6)  # nothing below the cut
+    previous = np.full(len(ref), -np.inf)
+    for k in (1, 5, 20, 63):
+        top = accumulate_top(LogitsReference, ref, cand, targets, k)
+        token_kld = top.token_kld().astype(np.float64)
+        assert (token_kld <= full_kld + 1e-6).all(), k  # a lower bound, position by position
+        assert (token_kld >= previous - 1e-6).all(), k  # a finer partition bounds no lower
+        previous = token_kld
+        got, want = top.result(), full.result()
+        for key in ("ppl", "ppl_base", "ln_ppl_ratio", "rms_dp", "dp_mean", "same_top", "ln_ppl_correlation"):
+            assert got[key] == pytest.approx(want[key], rel=1e-9), (k, key)  # exact from the top-k and the target
+    assert 0.3 * full_kld.mean() < previous.mean() <= full_kld.mean()
+
+
+def test_top_k_of_the_whole_vocabulary_is_the_full_kld():
+    ref, cand, targets = random_logits(vocab=48)
+    full = accumulate(LogitsReference, ref, cand, targets).result()
+    top = accumulate_top(LogitsReference, ref, cand, targets, k=48).result()
+    for key, value in full.items():
+        assert top[key] == pytest.approx(value, rel=1e-6, abs=1e-12), key
+
+
+def test_top_k_kld_against_a_compact_reference():
+    """A reference file's 16-bit log-probs: the rest's mass is summed over its tokens, not taken as 1 - Σ p."""
+    ref, cand, targets = random_logits(vocab=256)
+    ref, cand = 3 * ref, 3 * cand  # peaked: the rest holds little mass, where 1 - Σ p would be all rounding
+    live = accumulate_top(LogitsReference, ref, cand, targets, k=10).result()
+    compact = accumulate_top(encode_compact, ref, cand, targets, k=10).result()
+    assert compact["kld_mean"] == pytest.approx(live["kld_mean"], abs=5e-4)
+    assert compact["kld_99"] == pytest.approx(live["kld_99"], abs=5e-4)

@@ -200,11 +200,11 @@ def test_awq_artifact_reloads_with_same_logits(tiny_checkpoint_with_tokenizer, t
     assert (layers["lm_head"].format, layers["lm_head"].reason) == ("float", "modules_to_not_convert 'lm_head'")
     q = layers["layers.0.self_attn.q_proj"]
     assert q.format == "int4" and q.reason == "requested"
-    assert {"group_size", "alpha", "clip_ratio", "rel_error_rtn", "rel_error_awq"} <= set(q.metrics)
+    assert {"group_size", "alpha", "clip_ratio", "rel_error_rtn", "output_error"} <= set(q.metrics)
     rows = load_artifact(tmp_path / "awq").manifest["passes"][0]["layers"]  # serialised as they are
     assert rows == [dataclasses.asdict(r) for r in report.layers]
     assert report.metrics["layers_quantized"] == 14
-    assert report.metrics["mean_rel_error_awq"] < report.metrics["mean_rel_error_rtn"]
+    assert report.metrics["mean_output_error"] < report.metrics["mean_rel_error_rtn"]
     reloaded = load_artifact(tmp_path / "awq")
     ids = torch.randint(0, result.loaded.model.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -234,7 +234,7 @@ def test_lm_head_let_through_is_quantized_last_and_reloads(tiny_checkpoint_with_
                            streaming=streaming)
     head = result.reports[0].layers[-1]
     assert (head.module, head.format, head.metrics["scale_group"]) == ("lm_head", "int4", "norm → lm_head")
-    assert head.metrics["rel_error_awq"] < head.metrics["rel_error_rtn"]
+    assert head.metrics["output_error"] < head.metrics["rel_error_rtn"]
     reloaded = load_artifact(tmp_path / "awq")
     model = reloaded.model
     assert reloaded.manifest["modules"]["lm_head"]["format"] == "int4"

@@ -9,7 +9,7 @@ import torch
 import passes  # noqa: F401  (registers the fp8 pass)
 from compiler.errors import ConfigError, PipelineValidationError
 from compiler.formats.fp8 import Fp8Linear
-from compiler.formats.fp8_kv import Fp8KVQuant
+from compiler.formats.kv_quant import Fp8KVQuant
 from compiler.io.artifact import load_artifact, read_manifest
 from compiler.io.load import load_checkpoint
 from compiler.io.summary import artifact_summary
@@ -90,7 +90,7 @@ def test_fallback_keeps_layers_above_max_layer_error(tiny, tmp_path):
     excluded, *rows = report.layers
     assert (excluded.module, excluded.format, excluded.reason) == ("lm_head", "float", "modules_to_not_convert 'lm_head'")
     assert len(rows) == 14
-    assert all(r.format == "float" and r.metrics["rel_error"] > 1e-6 and "> max_layer_error" in r.reason for r in rows)
+    assert all(r.format == "float" and r.metrics["output_error"] > 1e-6 and "> max_layer_error" in r.reason for r in rows)
     assert any("max_layer_error" in n for n in report.notes)
     assert report.notes[-1] == "not converted (modules_to_not_convert): lm_head"
     assert read_manifest(result.path)["modules"] == {}
@@ -111,7 +111,7 @@ def test_fallback_decision_uses_measured_error(tiny, tmp_path):
     """A threshold between the smallest and largest layer error splits the layers accordingly."""
     loaded = tiny()
     rows = compile_loaded(tiny(), pipeline(max_layer_error=10.0), tmp_path / "a").reports[0].layers
-    errors = {r.module: r.metrics["rel_error"] for r in rows if "rel_error" in r.metrics}
+    errors = {r.module: r.metrics["output_error"] for r in rows if "output_error" in r.metrics}
     threshold = sorted(errors.values())[len(errors) // 2]
     report = compile_loaded(loaded, pipeline(max_layer_error=threshold), tmp_path / "b").reports[0]
     for r in report.layers[1:]:  # [0]: lm_head, excluded
@@ -298,11 +298,11 @@ def test_cli_reports_bad_fp8_option_in_one_line(tmp_path, tiny_checkpoint):
 
 def test_gptq_rounding_lowers_layer_errors(tiny, tmp_path):
     """GPTQ (the default weight_rounding) compensates rounding on calibration inputs: lower error per layer
-    on held calibration rows (``rel_error`` is measured on the calibration inputs' sample)."""
+    on held calibration rows (``output_error`` is measured on the calibration inputs' sample)."""
     nearest = compile_loaded(tiny(), pipeline(max_layer_error=10.0, activation_scheme="none", weight_rounding="nearest"),
                              tmp_path / "a").reports[0]
     gptq = compile_loaded(tiny(), pipeline(max_layer_error=10.0, activation_scheme="none"), tmp_path / "b").reports[0]
-    before, after = nearest.metrics["mean_rel_error"], gptq.metrics["mean_rel_error"]
+    before, after = nearest.metrics["mean_output_error"], gptq.metrics["mean_output_error"]
     print(f"mean relative layer error: nearest {before:.4f}, gptq {after:.4f}")
     assert after < 0.8 * before
 

@@ -60,7 +60,7 @@ def test_artifact_round_trip_gives_the_same_logits(tiny, tmp_path, options, boun
     manifest = read_manifest(result.path)
     report = manifest["passes"][-1]
     converted = [r for r in report["layers"] if r["format"] == "int8"]
-    assert len(converted) == 14 and all(r["metrics"]["rel_error"] < 0.1 for r in converted)
+    assert len(converted) == 14 and all(r["metrics"]["output_error"] < 0.1 for r in converted)
     assert {m["format"] for m in manifest["modules"].values()} == {"int8"}
     assert all(isinstance(reloaded.model.get_submodule(n), Int8Linear) for n in manifest["modules"])
     if options.get("activation_scheme") == "static":
@@ -126,7 +126,7 @@ def test_smoothquant_moves_an_outlier_channel_into_the_weights(tiny, tmp_path):
             layer.input_layernorm.weight[3] *= 40
         result = compile_loaded(loaded, pipeline(smoothing=smoothing, smoothing_strength=0.5), tmp_path / smoothing)
         rows = read_manifest(result.path)["passes"][-1]["layers"]
-        errors[smoothing] = max(r["metrics"]["rel_error"] for r in rows if r["module"].endswith("q_proj"))
+        errors[smoothing] = max(r["metrics"]["output_error"] for r in rows if r["module"].endswith("q_proj"))
     print(errors)
     assert errors["norms"] < errors["none"] / 3
 
@@ -156,16 +156,16 @@ def test_static_range_search_beats_the_whole_range_on_outlier_tokens():
 
 
 def test_the_strength_is_chosen_on_the_validation_split(tiny, tmp_path, monkeypatch):
-    import passes.int8 as int8_pass
+    import compiler.pipeline as pipeline_module
 
     regions = []
-    real = int8_pass.evaluation_windows
+    real = pipeline_module.evaluation_windows
 
     def spy(tokens, windows, eval_len):
         regions.append(tokens)
         return real(tokens, windows, eval_len)
 
-    monkeypatch.setattr(int8_pass, "evaluation_windows", spy)
+    monkeypatch.setattr(pipeline_module, "evaluation_windows", spy)
     loaded = tiny()
     result = compile_loaded(loaded, pipeline(smoothing_grid=[0.2, 0.5, 0.8], validation_windows=2), tmp_path / "a")
     metrics = read_manifest(result.path)["passes"][-1]["metrics"]
@@ -215,3 +215,104 @@ def test_mixture_of_experts_is_refused_in_one_line(tmp_path):
     config = ModelConfig.from_hf(make_arch_model("qwen3-moe").config.to_dict())
     with pytest.raises(ConfigError, match="does not handle Qwen3MoeForCausalLM.*fp8 or awq"):
         Int8Pass(Int8Options()).check(config)
+
+
+# -- the INT8 KV cache (kv_cache_dtype = "int8") -------------------------------------------------
+class CaptureKV(torch.nn.Module):
+    """Test double in the kv_quant slot: keeps every K (after RoPE) and V it sees, unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.k, self.v = [], []
+
+    def forward(self, k, v):
+        self.k.append(k.detach().clone())
+        self.v.append(v.detach().clone())
+        return k, v
+
+
+@torch.no_grad()
+def test_int8_kv_cache_scales_are_the_calibration_abs_max_per_channel(tiny, tmp_path):
+    """The entry holds, per layer, n_kv_heads × head_dim scales of K and of V: amax / 127 over the K/V
+    the quantized model computes on the calibration windows, rounded up onto bfloat16's grid."""
+    from compiler.formats.kv_quant import Int8KVQuant
+
+    loaded = tiny()
+    result = compile_loaded(loaded, pipeline(smoothing_strength=0.5, kv_cache_dtype="int8"), tmp_path / "a")
+    entry = read_manifest(result.path)["kv_cache"]
+    c = loaded.model.config
+    assert entry["dtype"] == "int8" and entry["granularity"] == "per_channel"
+    assert [len(s) for s in entry["k_scale"]] == [len(s) for s in entry["v_scale"]] == [c.n_kv_heads * c.head_dim] * 2
+    # K/V of the artifact's model (INT8 weights) without its rounding, over the pass's calibration windows
+    model = load_artifact(result.path).model
+    captures = [CaptureKV() for _ in model.layers]
+    for layer, capture in zip(model.layers, captures):
+        layer.self_attn.kv_quant = capture
+    context = PassContext(loaded.tokenizer, PipelineConfig.from_dict({"calibration": CALIB}).calibration)
+    model(context.calibration_windows())
+    for i, capture in enumerate(captures):
+        for key, seen in (("k_scale", capture.k), ("v_scale", capture.v)):
+            amax = torch.cat(seen, dim=2).abs().amax(dim=(0, 2)).flatten()  # [Hkv * D], head-major
+            scale = torch.tensor(entry[key][i])
+            # the least bfloat16 value at or above amax / 127: on the grid, holding amax, the one below not
+            assert torch.equal(scale.to(torch.bfloat16).float(), scale), (i, key)
+            assert (amax / 127 <= scale).all() and (scale <= amax / 127 * (1 + 2 ** -7)).all(), (i, key)
+            below = (scale.view(torch.int32) - 0x10000).view(torch.float32)
+            assert (below < amax / 127).all(), (i, key)
+    assert isinstance(loaded.model.layers[0].self_attn.kv_quant, Int8KVQuant)  # installed in the compiled model
+    assert read_manifest(result.path)["passes"][-1]["metrics"]["kv_cache"] == "int8 per_channel"
+
+
+@torch.no_grad()
+def test_int8_kv_cache_artifact_round_trip_rounds_k_and_v(tiny, tmp_path):
+    """The reloaded artifact installs the rounding and gives the compiled model's logits; without it
+    the logits differ (the rounding is there), and rounding twice is rounding once."""
+    from compiler.formats.kv_quant import Int8KVQuant
+
+    loaded = tiny()
+    result = compile_loaded(loaded, pipeline(smoothing_strength=0.5, kv_cache_dtype="int8"), tmp_path / "a")
+    in_memory = loaded.model(ids())
+    reloaded = load_artifact(result.path).model
+    quant = reloaded.layers[0].self_attn.kv_quant
+    assert isinstance(quant, Int8KVQuant) and quant.k_scale.shape == (reloaded.config.n_kv_heads * reloaded.config.head_dim,)
+    assert torch.equal(reloaded(ids()), in_memory)
+    for layer in reloaded.layers:
+        layer.self_attn.kv_quant = None
+    assert not torch.equal(reloaded(ids()), in_memory)
+    k = torch.randn(2, reloaded.config.n_kv_heads, 9, reloaded.config.head_dim) * 3
+    once = quant(k, k)[0]
+    assert torch.equal(quant(once, once)[0], once)
+    # codes within int8, clamped at -128 (symmetric scales reach 127 at the calibrated abs-max)
+    codes = once / quant.k_scale.reshape(1, -1, 1, reloaded.config.head_dim)
+    assert torch.equal(codes, codes.round()) and codes.min() >= -128 and codes.max() <= 127
+    big = -1000 * quant.k_scale.reshape(1, -1, 1, reloaded.config.head_dim).expand_as(k)
+    assert torch.equal(quant(big, big)[0], -128 * quant.k_scale.reshape(1, -1, 1, reloaded.config.head_dim).expand_as(k))
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda e: e["k_scale"][0].pop(), "k_scale must hold 2 layers × 32 positive scales"),
+    (lambda e: e["v_scale"][1].__setitem__(3, -0.5), "v_scale must hold 2 layers × 32 positive scales"),
+    (lambda e: e.__setitem__("granularity", "per_head"), "expected an FP8 dtype per_tensor or per_head, or int8 per_channel"),
+])
+def test_a_corrupt_int8_kv_entry_is_refused_at_load(tiny, tmp_path, change, says):
+    from artifact_helpers import read_raw_manifest, rewrite_manifest
+
+    from compiler.errors import ArtifactError
+
+    result = compile_loaded(tiny(), pipeline(smoothing_strength=0.5, kv_cache_dtype="int8"), tmp_path / "a")
+    manifest = read_raw_manifest(result.path)
+    change(manifest["kv_cache"])
+    rewrite_manifest(result.path, manifest)
+    with pytest.raises(ArtifactError, match=says) as err:
+        load_artifact(result.path)
+    assert "\n" not in str(err.value)
+
+
+def test_one_pass_declares_the_kv_cache(tiny, tmp_path):
+    config = PipelineConfig.from_dict({"calibration": CALIB, "passes": [
+        {"name": "fp8", "convert_linears": False, "kv_cache_dtype": "float8_e4m3fn"},
+        {"name": "int8", "kv_cache_dtype": "int8"}]})
+    with pytest.raises(PipelineValidationError, match=r"passes\[1\] \(int8\): kv_cache_dtype: passes\[0\] \(fp8\) "
+                                                      "already declares the KV cache") as err:
+        compile_loaded(tiny(), config, tmp_path / "a")
+    assert "\n" not in str(err.value) and not (tmp_path / "a").exists()

@@ -116,7 +116,7 @@ def test_awq_calibrates_starved_experts_on_every_token(starved_src, tmp_path):
         for e in range(8):
             for n in ("gate_proj", "up_proj", "down_proj"):
                 row = rows[f"layers.{i}.mlp.experts.{e}.{n}"]
-                assert row.format == "int4" and row.metrics["rel_error_awq"] is not None
+                assert row.format == "int4" and row.metrics["output_error"] is not None
                 if e in STARVED:  # its statistics: every token of the layer, so its error is measured on them
                     assert row.metrics["calibration_tokens"] == TOKENS and row.metrics["rel_error_rtn"] > 0
                     assert row.reason == ("expert routed 0 of 256 calibration tokens (< min_expert_tokens 1): calibrated "
@@ -133,7 +133,7 @@ def test_awq_rounds_starved_experts_to_nearest_under_rtn(starved_src, tmp_path):
     for i in range(3):
         row = rows[f"layers.{i}.mlp.experts.6.down_proj"]
         assert "round-to-nearest" in row.reason and "starved_experts = 'rtn'" in row.reason
-        assert "alpha" not in row.metrics and row.metrics["rel_error_awq"] is None  # nothing to measure it on
+        assert "alpha" not in row.metrics and row.metrics["output_error"] is None  # nothing to measure it on
         # no scale of its own, no clip, no GPTQ: exactly RTN of the checkpoint's weight
         want = Int4Linear.from_float(float_model.get_submodule(f"layers.{i}.mlp.experts.6.down_proj"), 32)
         assert torch.equal(model.get_submodule(f"layers.{i}.mlp.experts.6.down_proj").dequantized_weight(),

@@ -37,10 +37,10 @@ def test_shipped_pipelines_validate_on_their_input():
 
 
 def test_every_shipped_pipeline_validates_on_smollm2():
-    """The pipelines beside the example's (those compiled for vLLM) pass their [target]'s checks too."""
+    """The pipelines beside the example's (those compiled for vLLM or Ascend) pass their [target]'s checks too."""
     folder = example_pipeline("float.toml").parent
     shipped = sorted(p.name for p in folder.glob("*.toml"))
-    assert {"awq_g128_vllm.toml", "fp8_vllm.toml"} <= set(shipped)
+    assert {"awq_g128_vllm.toml", "fp8_vllm.toml", "int8_w8a8_c8.toml"} <= set(shipped)
     for name in shipped:
         config = PipelineConfig.from_toml(folder / name)
         assert Pipeline(config).validate(SMOLLM2_LIKE) is not None, name

@@ -1,7 +1,7 @@
 """The engine end to end on tiny random models: greedy parity with the contiguous-cache reference
 under continuous batching (staggered arrivals, chunked prefill, prefix caching, preemption),
-seeded sampling, stop conditions, cancel, bad requests, artifacts (float, FP8 KV, a quantized
-test double)."""
+seeded sampling, stop conditions, cancel, bad requests, artifacts (float, FP8 KV, INT8 KV, a
+quantized test double)."""
 from __future__ import annotations
 
 import asyncio
@@ -260,6 +260,46 @@ def test_artifact_plan_and_fp8_kv_cache(tiny_checkpoint, tmp_path):
     float_cache = Engine.from_artifact(art, "cpu", kv_dtype="float32")
     assert float_cache.cache.k[0].dtype == torch.float32 and float_cache.model.layers[0].self_attn.kv_quant is not None
     assert run_staggered(float_cache, prompts) == want_fp8
+
+
+@torch.no_grad()
+def test_int8_kv_artifact_serves_the_models_own_tokens(tiny_checkpoint_with_tokenizer, tmp_path):
+    """An INT8-KV artifact: the engine keeps the model's K/V rounding hook and stores the rounded K/V
+    in a float32 cache (it has no INT8 cache kernels; the values an INT8 cache would hold), so its
+    greedy tokens under continuous batching are the loaded model's own, and its report says so."""
+    import passes  # noqa: F401  (registers the int8 and paged_kv passes)
+    from compiler.errors import ConfigError, QCompileError
+    from compiler.formats.kv_quant import Int8KVQuant
+    from compiler.io.artifact import load_artifact
+    from compiler.pipeline import PipelineConfig
+    from compiler.pipeline.compile import compile_model
+    from serving.engine_setup import describe_kernels
+
+    path, _ = tiny_checkpoint_with_tokenizer("llama")
+    calib = {"corpus": "pydoc", "samples": 4, "seq_len": 64, "seed": 0}
+    int8 = {"name": "int8", "smoothing_strength": 0.5, "kv_cache_dtype": "int8"}
+    art = compile_model(path, PipelineConfig.from_dict({"calibration": calib, "passes": [
+        int8, {"name": "paged_kv", "block_size": 8}]}), tmp_path / "art").path
+    model = load_artifact(art).model
+    prompts = prompts_of([7, 19, 3, 26], seed=9)
+    want = [reference(model, p, 12) for p in prompts]
+    engine = Engine.from_artifact(art, "cpu")
+    assert engine.cache.spec.dtype == torch.float32 and engine.cache.k_scales is None
+    assert isinstance(engine.model.layers[0].self_attn.kv_quant, Int8KVQuant)
+    assert ("KV cache int8 K/V rounded by the model's kv_quant hook, stored in float32 blocks (no memory saving: "
+            "the engine has no INT8 paged cache)") in describe_kernels(engine.kernels)
+    assert run_staggered(engine, prompts) == want
+    for layer in model.layers:  # the rounding changes these tokens: the parity above is the INT8 cache's
+        layer.self_attn.kv_quant = None
+    assert [reference(model, p, 12) for p in prompts] != want
+    # an FP8 cache cannot hold it (its scales are not FP8 ones): refused in one line
+    with pytest.raises(ConfigError, match="kv_dtype float8_e4m3fn needs K/V scales calibrated for it .* the "
+                                          "artifact's KV cache is int8") as err:
+        Engine.from_artifact(art, "cpu", kv_dtype="float8_e4m3fn")
+    assert "\n" not in str(err.value)
+    with pytest.raises(QCompileError, match="paged_kv: kv_dtype float8_e4m3fn needs K/V scales"):
+        compile_model(path, PipelineConfig.from_dict({"calibration": calib, "passes": [
+            int8, {"name": "paged_kv", "kv_dtype": "float8_e4m3fn"}]}), tmp_path / "b")
 
 
 class FP8RoundTripCache(ContiguousKVCache):

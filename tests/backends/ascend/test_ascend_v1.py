@@ -16,15 +16,26 @@ wheel; identical in what is mirrored here to main at 182b75ea):
   ``npu_quant_matmul(..., weight_scale, pertoken_scale, bias)``) and ``w8a16.py``
   (``AscendW8A16LinearMethod``: ``npu_weight_quant_batchmatmul`` with antiquant scale and offset),
   mirrored in ``VLLM_ASCEND_PARAMS`` and the ``npu_*`` functions below;
-* ``vllm_ascend/quantization/utils.py``: ``detect_quantization_method`` (the description file present).
+* ``vllm_ascend/quantization/utils.py``: ``detect_quantization_method`` (the description file present);
+
+and, for the INT8 KV cache ("C8"), vllm-ascend main at 182b75ea (not checked against the 0.23.0
+wheel), whose ``modelslim_config.py`` imports vLLM and ``vllm_ascend/utils.py`` torch_npu at the top:
+``modelslim_config.py`` (``AscendModelSlimConfig._add_kvcache_quant_metadata``,
+``get_cache_scale_mapper``, ``is_c8_quant_layer``), ``methods/kv_c8.py``
+(``AscendC8KVCacheAttentionMethod.create_weights`` / ``process_weights_after_loading``,
+``_c8_kv_scale_weight_loader``) and ``attention/attention_v1.py`` (``AscendC8AttentionBackendImpl``:
+``_prepare_c8_scales``, ``_quantize_kv_to_int8``, ``_dequant_paged_kv_to_dense``), mirrored in the
+``c8_*`` and ``npu_c8_*`` functions below;
 
 and msModelSlim's AscendV1 saver (``msmodelslim/core/quant_service/modelslim_v1/save/ascendv1.py``,
 ``save/utils/deqscale.py``, Ascend/msmodelslim at 030d6ea4) for deq_scale, quant_bias and the int64
-packing of deq_scale (float32 bits, sign-extended from int32).
+packing of deq_scale (float32 bits, sign-extended from int32), and its ``on_dynamic_cache`` for the C8
+description (``kv_cache_type`` and ``kv_quant_type`` "C8", each tensor typed "C8").
 """
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -48,6 +59,7 @@ from compiler.errors import ConfigError
 from compiler.formats.fp8 import Fp8Format, Fp8Linear
 from compiler.formats.int4 import Int4Linear
 from compiler.formats.int8 import Int8Format, Int8Linear
+from compiler.formats.kv_quant import INT8, Int8KVQuant, KVObserver, kv_cache_entry
 from compiler.formats.qlinear import linear_modules, quantized_modules
 from compiler.io.artifact import load_artifact, save_artifact
 from compiler.io.load import load_checkpoint
@@ -138,8 +150,10 @@ def npu_w8a16(x: torch.Tensor, t: dict[str, torch.Tensor], bias: torch.Tensor | 
 
 # -- artifacts ---------------------------------------------------------------------------------
 def int8_artifact(tmp_path: Path, arch: str = "llama", dtype: str = "bfloat16", scheme="dynamic",
-                  symmetric: bool = True, zero_point: int = 7, tokenizer=None, tweak=None, **overrides) -> Path:
-    """A tiny model with every linear but lm_head INT8 (``scheme`` may be a function of the layer name)."""
+                  symmetric: bool = True, zero_point: int = 7, tokenizer=None, tweak=None, kv_cache: bool = False,
+                  **overrides) -> Path:
+    """A tiny model with every linear but lm_head INT8 (``scheme`` may be a function of the layer name);
+    ``kv_cache``: with an INT8 KV cache calibrated on the quantized model's K/V (as the int8 pass does)."""
     hf_dir = tmp_path / f"hf-{arch}"
     make_hf_model(arch, **overrides).save_pretrained(hf_dir)
     loaded = load_checkpoint(hf_dir, dtype=dtype, with_tokenizer=False)
@@ -158,8 +172,21 @@ def int8_artifact(tmp_path: Path, arch: str = "llama", dtype: str = "bfloat16", 
         loaded.model.set_submodule(name, Int8Linear.from_linear(linear, fmt, input_qparams=qparams))
     if tweak:
         tweak(loaded.model)
+    extras = {"kv_cache": int8_kv_entry(loaded.model)} if kv_cache else {}
     out = tmp_path / f"artifact-{arch}-{dtype}"
-    return save_artifact(out, loaded.model, tokenizer, SourceInfo(str(hf_dir), "hf", "0" * 64), {}, [])
+    return save_artifact(out, loaded.model, tokenizer, SourceInfo(str(hf_dir), "hf", "0" * 64), {}, [], extras)
+
+
+@torch.no_grad()
+def int8_kv_entry(model: torch.nn.Module) -> dict:
+    """The int8 pass's KV-cache entry, calibrated on ``model``'s K/V over random ids."""
+    observers = [KVObserver() for _ in model.layers]
+    for layer, observer in zip(model.layers, observers):
+        layer.self_attn.kv_quant = observer
+    model(torch.randint(3, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5)))
+    for layer in model.layers:
+        layer.self_attn.kv_quant = None
+    return kv_cache_entry(INT8, "per_channel", observers)
 
 
 def lower(artifact: Path, out: Path, monkeypatch) -> tuple[dict, dict, dict]:
@@ -410,12 +437,108 @@ def test_a_float32_artifact_is_written_in_bfloat16_and_says_so(tmp_path, monkeyp
     assert "float tensors (embeddings, norms, float layers) in bfloat16" in notes
 
 
-def test_kv_cache_entry_is_refused(tmp_path):
-    loaded = load_artifact(int8_artifact(tmp_path))
-    planted = LoadedModel(loaded.model, None, loaded.source, {**loaded.manifest, "kv_cache": {"dtype": "int8"}})
-    with pytest.raises(ConfigError, match="int8 KV cache; AscendV1's only KV cache is vllm-ascend's INT8 'C8'") as err:
+@pytest.mark.parametrize("dtype, match", [
+    ("float8_e4m3fn", r"a KV cache \(float8_e4m3fn\): AscendV1's one KV cache is vllm-ascend's INT8 'C8'"),
+    ("int8", "an INT8 KV cache with head_dim 16: vllm-ascend's C8 cache holds K/V in blocks of 32 channels"),
+])
+def test_a_kv_cache_c8_cannot_hold_is_refused(tmp_path, dtype, match):
+    loaded = load_artifact(int8_artifact(tmp_path))  # head_dim 16
+    planted = LoadedModel(loaded.model, None, loaded.source, {**loaded.manifest, "kv_cache": {"dtype": dtype}})
+    with pytest.raises(ConfigError, match=match) as err:
         check_ascend_v1(planted)
     assert "\n" not in str(err.value)
+
+
+# -- the INT8 KV cache as vllm-ascend's C8 --------------------------------------------------------
+C8_MODEL = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}  # head_dim 32: C8's NZ blocks
+# modelslim_config.py, get_cache_scale_mapper with enable_c8_quant
+C8_MAPPER = {".k_proj.kv_cache_scale": ".attn.k_cache_scale", ".k_proj.kv_cache_offset": ".attn.k_cache_offset",
+             ".v_proj.kv_cache_scale": ".attn.v_cache_scale", ".v_proj.kv_cache_offset": ".attn.v_cache_offset"}
+
+
+def c8_quant_layers(description: dict) -> list[int] | None:
+    """modelslim_config.py, _add_kvcache_quant_metadata: C8 is on when kv_cache_type is "C8"; its layers
+    are the ids (the digits between dots) of the keys holding "k_proj.kv_cache_scale"."""
+    if description.get("kv_cache_type", "") != "C8":
+        return None
+    return [int("".join(re.findall(r"\.(\d+)\.", key))) for key in description if "k_proj.kv_cache_scale" in key]
+
+
+def c8_param_name(name: str) -> str | None:
+    """The attention parameter get_cache_scale_mapper loads a checkpoint tensor into (None: not a C8 one)."""
+    return next((name[: -len(old)] + new for old, new in C8_MAPPER.items() if name.endswith(old)), None)
+
+
+def c8_layer_param(loaded: torch.Tensor, dt: torch.dtype, num_kv_heads: int, head_size: int) -> torch.Tensor:
+    """kv_c8.py: the parameter starts as [1] in the default (model) dtype; _c8_kv_scale_weight_loader squeezes
+    the tensor and, the shapes differing, takes it cast to that dtype; process_weights_after_loading
+    flattens it; attention_v1.py's _prepare_c8_scales (one TP rank: n_kv_heads * head_size values) views
+    it [1, n_kv_heads, head_size]."""
+    param = torch.ones(1, dtype=dt)
+    loaded = loaded.squeeze()
+    param = loaded.to(param.dtype).clone() if param.shape != loaded.shape else param.copy_(loaded)
+    flat = param.flatten()
+    assert flat.numel() == num_kv_heads * head_size
+    return flat.view(1, num_kv_heads, head_size)
+
+
+def npu_c8_round_trip(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """x [tokens, n_kv_heads, head_size] stored and read back: _quantize_kv_to_int8 (codes = clamp(round(x *
+    (1 / scale) + offset), -128, 127) as int8), then _dequant_paged_kv_to_dense's scale-only dequant
+    (codes.to(dtype) * scale)."""
+    inv = 1.0 / scale
+    codes = torch.clamp(torch.round(x * inv + offset), -128, 127).to(torch.int8)
+    return codes.to(x.dtype) * scale
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_int8_kv_cache_is_vllm_ascends_c8(tmp_path, monkeypatch, dtype):
+    """Every layer is a C8 layer with its four tensors under the names vllm-ascend maps, n_kv_heads *
+    head_size values in the model dtype, offsets 0; K/V quantized with the written scales as
+    _quantize_kv_to_int8 does and read back as _dequant_paged_kv_to_dense does are the artifact's
+    Int8KVQuant output, bit for bit in float32 (the scales lie on bfloat16's grid: written exactly)."""
+    artifact = int8_artifact(tmp_path, "llama", dtype, "dynamic", kv_cache=True, **C8_MODEL)
+    description, tensors, bundle = lower(artifact, tmp_path / "b", monkeypatch)
+    model = load_artifact(artifact).model
+    c, dt = model.config, torch.float16 if dtype == "float16" else torch.bfloat16
+    assert description["kv_cache_type"] == description["kv_quant_type"] == "C8"
+    assert sorted(c8_quant_layers(description)) == list(range(c.n_layers))
+    assert description["model_quant_type"] == "W8A8_DYNAMIC"  # C8 is no linear scheme
+    assert set(description) - {"version", "model_quant_type", "metadata", "group_size", "optional", "kv_cache_type",
+                               "kv_quant_type"} == set(tensors)
+    for prefix in vllm_prefixes(c.n_layers):  # the linear layers' types are untouched
+        assert vllm_ascend_layer_type(description, prefix) == ("FLOAT" if prefix in ("model.embed_tokens", "lm_head")
+                                                                else "W8A8_DYNAMIC"), prefix
+    gen = torch.Generator().manual_seed(2)
+    for i, layer in enumerate(model.layers):
+        quant = layer.self_attn.kv_quant
+        assert isinstance(quant, Int8KVQuant)
+        params = {}
+        for proj, kind in (("k_proj", "k"), ("v_proj", "v")):
+            for leaf in ("kv_cache_scale", "kv_cache_offset"):
+                name = f"model.layers.{i}.self_attn.{proj}.{leaf}"
+                assert description[name] == "C8" and tensors[name].dtype == dt, name
+                assert tensors[name].shape == (c.n_kv_heads * c.head_dim,), name
+                assert c8_param_name(name) == f"model.layers.{i}.self_attn.attn.{kind}_cache_{leaf.split('_')[-1]}"
+                params[f"{kind}_{leaf.split('_')[-1]}"] = c8_layer_param(tensors[name], torch.float32, c.n_kv_heads,
+                                                                       c.head_dim)
+        assert not params["k_offset"].any() and not params["v_offset"].any()
+        assert torch.equal(params["k_scale"].flatten(), quant.k_scale)  # the artifact's scales, exactly
+        assert torch.equal(params["v_scale"].flatten(), quant.v_scale)
+        # K/V as the layer hands them to its cache, [B, Hkv, T, D]: in range, beyond it (the clamp), zeros,
+        # and near ties (k + 1/2 steps, where rounding by the reciprocal and by the scale can part)
+        s = quant.k_scale.reshape(1, -1, 1, c.head_dim)
+        x = torch.randn(1, c.n_kv_heads, 40, c.head_dim, generator=gen) * s * 90
+        x[..., :3, :] *= 3
+        x[..., 3, :] = 0
+        x[..., 4:24, :] = (torch.randint(-120, 120, (1, c.n_kv_heads, 20, c.head_dim), generator=gen) + 0.5) * s
+        for kind, want in zip("kv", quant(x, x)):
+            got = npu_c8_round_trip(x[0].transpose(0, 1), params[f"{kind}_scale"], params[f"{kind}_offset"])
+            assert torch.equal(got.view(torch.int32), want[0].transpose(0, 1).view(torch.int32)), (i, kind)
+    notes = " | ".join(bundle["extras"]["notes"])
+    assert "C8 KV-cache scales (as the reciprocal it quantizes by)" in notes  # in dt, as vllm-ascend computes it
+    assert "C8 KV-cache scales in" not in notes  # the scales themselves are held exactly
+    assert f"{DIRECTORY}/ holds the INT8 KV cache as vllm-ascend's C8" in notes
 
 
 def _int4(linear):

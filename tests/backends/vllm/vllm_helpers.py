@@ -20,7 +20,7 @@ from conftest import make_byte_tokenizer, make_hf_model
 from backends.vllm.evaluate import window_logprobs
 from backends.vllm.runtime import VllmHost, VllmOptions, VllmServer, VllmServerError, vllm_host, vllm_python
 from compiler.formats.fp8 import Fp8Linear
-from compiler.formats.fp8_kv import Fp8KVQuant
+from compiler.formats.kv_quant import Fp8KVQuant
 from compiler.formats.qlinear import quantized_modules
 from compiler.io.artifact import load_artifact
 from compiler.quant.fp8 import fp8_max, scale_from_amax
