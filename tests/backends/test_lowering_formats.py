@@ -118,14 +118,20 @@ def test_int8_round_trip_is_the_torch_rounding_bitwise(graph_dtype):
 
 
 # -- FP8- and INT8-KV artifacts lowered to ONNX: parity with the torch model -----------------
-@pytest.fixture(scope="module")
-def fp8_kv_artifacts(tmp_path_factory, byte_tokenizer):
+def tiny_llama_source(tmp, byte_tokenizer):
+    """A tiny Llama checkpoint with the byte tokenizer, in ``tmp / "hf"``."""
     from conftest import make_hf_model
 
-    tmp = tmp_path_factory.mktemp("fp8kv")
     src = tmp / "hf"
     make_hf_model("llama", vocab_size=len(byte_tokenizer)).save_pretrained(src)
     byte_tokenizer.save_pretrained(src)
+    return src
+
+
+@pytest.fixture(scope="module")
+def fp8_kv_artifacts(tmp_path_factory, byte_tokenizer):
+    tmp = tmp_path_factory.mktemp("fp8kv")
+    src = tiny_llama_source(tmp, byte_tokenizer)
     return {
         "e4m3-per-head": compile_with(src, tmp / "a", kv_pass()),
         "e5m2-per-tensor+fp8-weights": compile_with(
@@ -139,13 +145,9 @@ def fp8_kv_artifacts(tmp_path_factory, byte_tokenizer):
 @pytest.fixture(scope="module")
 def int8_kv_artifact(tmp_path_factory, byte_tokenizer):
     """INT8 W8A16 (the graphs' MatMul of its dequantized weight is the layer) with an INT8 KV cache."""
-    from conftest import make_hf_model
-
     tmp = tmp_path_factory.mktemp("int8kv")
-    src = tmp / "hf"
-    make_hf_model("llama", vocab_size=len(byte_tokenizer)).save_pretrained(src)
-    byte_tokenizer.save_pretrained(src)
-    return compile_with(src, tmp / "a", {"name": "int8", "activation_scheme": "none", "kv_cache_dtype": "int8"},
+    return compile_with(tiny_llama_source(tmp, byte_tokenizer), tmp / "a",
+                        {"name": "int8", "activation_scheme": "none", "kv_cache_dtype": "int8"},
                         {"name": "paged_kv", "block_size": 8})
 
 
