@@ -1,4 +1,4 @@
-"""A request's state inside the engine, its incremental detokenization and stop checks."""
+"""A request's state inside the engine; its output text and stop strings go through ``serving.output_text``."""
 from __future__ import annotations
 
 import enum
@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from compiler.errors import QCompileError
+from serving.output_text import OutputText
 from serving.types import SamplingParams, StreamEvent
 
 
@@ -57,15 +58,12 @@ class Request:
         self.output_token_ids: list[int] = []
         self.params = params
         self.eos_token_ids = set(eos_token_ids)
-        self.tokenizer = tokenizer
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.metrics = RequestMetrics()
-        self.text = ""  # output text so far (cut at a stop string)
-        self._sent = 0  # characters of ``text`` already streamed
-        self._max_stop = max((len(s) for s in params.stop), default=0)
+        self.output = OutputText(tokenizer, params.stop)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -89,35 +87,17 @@ class Request:
             reason = "stop"
         elif len(self.output_token_ids) >= self.params.max_tokens:
             reason = "length"
-        if self.tokenizer is not None:
-            if self._update_text():
-                reason = "stop"
-        event = StreamEvent(token_ids=[token_id], finish_reason=reason)
-        # Hold back a trailing partial UTF-8 character or a possible start of a stop string until resolved.
-        hold = 0 if reason else self._holdback()
-        event.text = self.text[self._sent:len(self.text) - hold]
-        self._sent += len(event.text)
+        text, stopped = self.output.update(self.output_token_ids, final=reason is not None)
+        if stopped:
+            reason = "stop"
         if reason:
             self.finish(reason)
-        return event
+        return StreamEvent(token_ids=[token_id], text=text, finish_reason=reason)
 
-    def _update_text(self) -> bool:
-        """Re-decode the output; return True when it now contains a stop string (the text is cut there)."""
-        text = self.tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
-        start = max(0, self._sent - self._max_stop)
-        cut = min((i for s in self.params.stop if (i := text.find(s, start)) >= 0), default=-1)
-        self.text = text if cut < 0 else text[:cut]
-        return cut >= 0
-
-    def _holdback(self) -> int:
-        hold = 1 if self.text.endswith("\ufffd") else 0
-        tail = self.text[self._sent:]
-        for s in self.params.stop:
-            for n in range(min(len(s) - 1, len(tail)), 0, -1):
-                if tail.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
-        return hold
+    @property
+    def text(self) -> str:
+        """The output text so far, cut at a stop string."""
+        return self.output.text
 
     def finish(self, reason: str) -> None:
         self.status = RequestStatus.FINISHED

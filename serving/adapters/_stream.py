@@ -1,4 +1,5 @@
-"""The token loop shared by the runtime adapters: sample, detokenize, stop, stream.
+"""The token loop shared by the runtime adapters: sample, detokenize, stop, stream (the text and its
+stop strings through ``serving.output_text``, as the engine's requests).
 
 An adapter wraps its runtime as a ``TokenModel`` (prefill a prompt, then decode one token at a
 time against its own KV cache) and gets ``ServingAdapter.generate`` semantics from ``stream_tokens``.
@@ -13,6 +14,7 @@ from typing import AsyncIterator, Protocol
 import numpy as np
 
 from compiler.errors import ConfigError
+from serving.output_text import OutputText
 from serving.types import SamplingParams, StreamEvent
 
 
@@ -70,8 +72,13 @@ class TokenStream:
         self.budget = min(params.max_tokens, room)
         self.rng = np.random.default_rng(params.seed)
         self.generated: list[int] = []
-        self.text = ""
+        self.output = OutputText(tokenizer, params.stop)
         self.finished = False
+
+    @property
+    def text(self) -> str:
+        """The output text so far, cut at a stop string."""
+        return self.output.text
 
     @property
     def token(self) -> int:
@@ -82,21 +89,13 @@ class TokenStream:
         """The event for the token sampled from ``logits`` [V]; the last event carries a finish reason."""
         params = self.params
         token = sample(logits, params, self.rng)
-        if token in self.eos_token_ids and not params.ignore_eos:
-            return self._finish(StreamEvent(finish_reason="stop"))
-        self.generated.append(token)
-        text = self.text
-        new_text = self.tokenizer.decode(self.generated, skip_special_tokens=True) if self.tokenizer is not None else ""
-        hits = [new_text.find(s, max(0, len(text) - len(s))) for s in params.stop]
-        hits = [h for h in hits if h >= 0]
-        if hits:
-            return self._finish(StreamEvent([token], new_text[len(text):min(hits)], "stop"))
-        last = len(self.generated) == self.budget
-        # Hold back a trailing U+FFFD: a multi-byte character split across tokens completes later.
-        stable = new_text if last else new_text.rstrip("\ufffd")
-        self.text = stable if len(stable) >= len(text) else text
-        event = StreamEvent([token], stable[len(text):], "length" if last else None)
-        return self._finish(event) if last else event
+        self.generated.append(token)  # EOS included, as the engine counts it
+        eos = token in self.eos_token_ids and not params.ignore_eos
+        last = eos or len(self.generated) == self.budget
+        text, stopped = self.output.update(self.generated, final=last)
+        reason = "stop" if eos or stopped else "length" if last else None
+        event = StreamEvent([token], text, reason)
+        return self._finish(event) if reason else event
 
     def _finish(self, event: StreamEvent) -> StreamEvent:
         self.finished = True
