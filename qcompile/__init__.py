@@ -140,8 +140,9 @@ def inspect(artifact: str | Path) -> dict:
 
 
 def lower(artifact: str | Path, target: str, output: str | Path, force: bool = False, **options) -> Path:
-    """Lower ``artifact`` for ``target`` (``onnx``, ``ascend``, ``triton``) into ``output``; ``options``
-    are the target's own (e.g. ``max_len=512`` for onnx, ``soc="Ascend910B3"`` for ascend)."""
+    """Lower ``artifact`` for ``target`` (``onnx``, ``triton``, ``vllm``, ``gguf``, ``ascend``) into
+    ``output``; ``options`` are the target's own (e.g. ``max_len=512`` for onnx, ``soc="Ascend910B3"``
+    for ascend)."""
     from compiler.deploy.lowering import lower as lower_artifact
 
     load_plugins()

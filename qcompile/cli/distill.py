@@ -37,7 +37,7 @@ def distill_cmd(
     teacher: str = typer.Option(..., "--teacher", help="Float teacher: HF directory, .gguf, or built-in name (smollm2)."),
     student: str = typer.Option(..., "--student", help="Student checkpoint or artifact (INT4 artifacts train as QAT), or keep_layers:0,2,4 / keep_layers:every2 (layers of the teacher)."),
     output: Path = typer.Option(..., "-o", "--output", help="Output folder (student/, metrics.jsonl, checkpoints/, result.json)."),
-    target: Optional[str] = typer.Option(None, "--target", help="Check the student's formats against this deployment target (onnx, ascend, triton) before training."),
+    target: Optional[str] = typer.Option(None, "--target", help="Check the student's formats against this deployment target (onnx, triton, vllm, gguf, ascend) before training."),
     force: bool = typer.Option(False, "--force", help="Replace OUT/student if it exists."),
     as_json: bool = json_option(),
     *,
