@@ -22,30 +22,31 @@ class CharTokenizer:
         return "".join(VOCAB[i] for i in ids if not (skip_special_tokens and i == EOS))
 
 
-def through_engine_request(tokens: list[int], params: SamplingParams) -> tuple[str, list[int], str, list[str]]:
-    request = Request("r", [1], params, [EOS], CharTokenizer(), torch.device("cpu"), 0)
+def collect(events) -> tuple[str, list[int], str, list[str]]:
+    """What the client receives up to the finishing event: text, token ids, finish reason, the deltas."""
     deltas, ids = [], []
-    for token in tokens:
-        event = request.append_token(token)
-        deltas.append(event.text)
-        ids += event.token_ids
-        if event.finish_reason:
-            return "".join(deltas), ids, event.finish_reason, deltas
-    raise AssertionError("the request never finished")
-
-
-def through_adapter_stream(tokens: list[int], params: SamplingParams) -> tuple[str, list[int], str, list[str]]:
-    stream = TokenStream([1], params, CharTokenizer(), [EOS], max_len=64)
-    deltas, ids = [], []
-    for token in tokens:
-        logits = np.full(len(VOCAB), -1e9, dtype=np.float32)
-        logits[token] = 0.0  # greedy picks exactly this token
-        event = stream.next(logits)
+    for event in events:
         deltas.append(event.text)
         ids += event.token_ids
         if event.finish_reason:
             return "".join(deltas), ids, event.finish_reason, deltas
     raise AssertionError("the stream never finished")
+
+
+def through_engine_request(tokens: list[int], params: SamplingParams) -> tuple[str, list[int], str, list[str]]:
+    request = Request("r", [1], params, [EOS], CharTokenizer(), torch.device("cpu"), 0)
+    return collect(request.append_token(token) for token in tokens)
+
+
+def one_hot(token: int) -> np.ndarray:
+    logits = np.full(len(VOCAB), -1e9, dtype=np.float32)
+    logits[token] = 0.0  # greedy picks exactly this token
+    return logits
+
+
+def through_adapter_stream(tokens: list[int], params: SamplingParams) -> tuple[str, list[int], str, list[str]]:
+    stream = TokenStream([1], params, CharTokenizer(), [EOS], max_len=64)
+    return collect(stream.next(one_hot(token)) for token in tokens)
 
 
 CASES = {
