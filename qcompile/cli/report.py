@@ -90,8 +90,7 @@ KL_ROWS = (
 
 
 def print_kl_divergence(console: Console, result: dict) -> None:
-    saved_from = f" (saved from {result['reference_model']})" if result["reference_model"] != result["reference"] else ""
-    console.print(f"KL divergence against {result['reference']}{saved_from}: {result['tokens']} tokens of "
+    console.print(f"{_against(result)}: {result['tokens']} tokens of "
                   f"{result['corpus']}, {result['split']} region, {result['windows']} windows", markup=False)
     table = Table()
     for col in ("statistic", "value", "±"):
@@ -100,28 +99,30 @@ def print_kl_divergence(console: Console, result: dict) -> None:
         value, uncertainty = result[key], result.get(f"{key}_uncertainty")
         if value is None:  # the correlation, undefined for a handful of tokens
             continue
-        show = (lambda v: f"{100 * v:.3f} %") if how == "percent" else (lambda v: f"{v:.6f}")
-        table.add_row(label, show(value), "" if uncertainty is None else show(uncertainty))
+        table.add_row(label, _statistic(value, how), "" if uncertainty is None else _statistic(uncertainty, how))
     console.print(table)
 
 
-# (column, key, how to show it) of the one-row-per-runtime table (``qcompile eval --runtimes``).
-RUNTIME_COLUMNS = (
-    ("Mean KLD", "kld_mean", "plain"),
-    ("99.0% KLD", "kld_99", "plain"),
-    ("Same top p", "same_top", "percent"),
-    ("Mean PPL(Q)", "ppl", "plain"),
-    ("Mean ln(PPL(Q)/PPL(base))", "ln_ppl_ratio", "plain"),
-    ("RMS Δp", "rms_dp", "percent"),
-)
+def _against(result: dict) -> str:
+    """"KL divergence against REF", with the model a saved reference file came from."""
+    saved_from = f" (saved from {result['reference_model']})" if result["reference_model"] != result["reference"] else ""
+    return f"KL divergence against {result['reference']}{saved_from}"
+
+
+def _statistic(value: float, how: str) -> str:
+    return f"{100 * value:.3f} %" if how == "percent" else f"{value:.6f}"
+
+
+# The columns of the one-row-per-runtime table (``qcompile eval --runtimes``): KL_ROWS' rows of these keys.
+RUNTIME_COLUMNS = tuple(row for key in ("kld_mean", "kld_99", "same_top", "ppl", "ln_ppl_ratio", "rms_dp")
+                        for row in KL_ROWS if row[1] == key)
 
 
 def print_runtime_kl_divergence(console: Console, result: dict) -> None:
     """One row per runtime (value ± its uncertainty), what each KLD sums over, then what ran each row."""
     scored = [r for r in result["runtimes"] if "unavailable" not in r]
-    saved_from = f" (saved from {result['reference_model']})" if result["reference_model"] != result["reference"] else ""
     base = f", Mean PPL(base) {scored[0]['ppl_base']:.6f}" if scored else ""
-    console.print(f"KL divergence against {result['reference']}{saved_from}: {result['corpus']}, {result['split']} "
+    console.print(f"{_against(result)}: {result['corpus']}, {result['split']} "
                   f"region, {result['windows']} windows{base}", markup=False)
     table = Table()
     table.add_column("runtime", justify="left")
@@ -134,9 +135,8 @@ def print_runtime_kl_divergence(console: Console, result: dict) -> None:
             continue
         cells = []
         for _, key, how in RUNTIME_COLUMNS:
-            show = (lambda v: f"{100 * v:.3f} %") if how == "percent" else (lambda v: f"{v:.6f}")
             uncertainty = row.get(f"{key}_uncertainty")
-            cells.append(show(row[key]) + ("" if uncertainty is None else f" ± {show(uncertainty)}"))
+            cells.append(_statistic(row[key], how) + ("" if uncertainty is None else f" ± {_statistic(uncertainty, how)}"))
         table.add_row(Text(row["runtime"]), *cells, Text(row["kl_over"]))  # Text: no markup read in messages
     console.print(table)
     for row in result["runtimes"]:
