@@ -27,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import write_result  # noqa: E402
+
 
 def _cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -48,7 +50,7 @@ def run_one(model_name: str, method: str, group_size: int, samples: int, windows
     model = loaded.model
     wall, cpu = time.perf_counter(), _cpu_s()
     if method == "rtn":  # same layers and group-size fallback as AWQ, no search
-        plans, _ = plan_layers(model.config, AWQOptions(group_size=group_size))
+        plans, _ = plan_layers(model, AWQOptions(group_size=group_size))
         for name, plan in plans.items():
             model.set_submodule(name, Int4Linear.from_float(model.get_submodule(name), plan.group_size))
     elif method == "awq":
@@ -79,7 +81,7 @@ def _child(args, method: str, group_size: int, calibration: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv=None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="a built-in model (smollm2, gemma3-270m) or a checkpoint path")
     ap.add_argument("--groups", default="128,64,32", help="group sizes (128 falls back to 64 where it does not divide)")
@@ -94,7 +96,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an awq pass option for the AWQ rows (VALUE as JSON, else a string)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.one:
         method, g = args.one.split(":")
         print(json.dumps(run_one(args.model, method, int(g), args.samples, args.windows, _options(args.set),
@@ -107,9 +109,8 @@ def main() -> None:
     for method, g, calibration in jobs:
         rows.append(_child(args, method, g, calibration))
         print(json.dumps(rows[-1]), flush=True)  # each row as soon as it exists
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
     print(markdown_table(rows))
+    return write_result(args.json, rows, model=args.model, samples=args.samples, windows=args.windows, split=args.split)
 
 
 def _options(sets: list[str]) -> dict:

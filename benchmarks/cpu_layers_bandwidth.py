@@ -22,7 +22,8 @@ linears packed, the INT4 compute set, a paged float32 KV cache), and the forward
 timed as the engine runs it: the embedding, every decoder layer with the paged cache, the head, for
 ``--rows`` sequences of one new token each (1, and 16 as in a batched step), each attending over
 ``--context`` cached positions (zeros: K/V values do not change the speed either). The same step is
-repeated at the same position; ms is the best of three runs of ``--repeats`` steps. On a machine
+repeated at the same position; ms is the median of ``--repeats`` steps after one untimed
+(``benchmarks/common.py``). On a machine
 other processes share, ``--threads 1 --clock thread`` times the thread's CPU time instead of the
 wall's (at one thread every kernel, and llama.cpp, runs on the calling thread), so that the time
 other processes hold the core is left out; what they take of the memory's bandwidth is not.
@@ -54,7 +55,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +64,7 @@ import torch.nn as nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import CLOCKS, Timing, measure, write_result  # noqa: E402
 from compiler.deploy.serving_plan import ServingPlan  # noqa: E402
 from compiler.formats.fp8 import Fp8Linear  # noqa: E402
 from compiler.formats.int4 import Int4Linear  # noqa: E402
@@ -135,8 +136,8 @@ def kernel_of(engine: Engine, fmt: Format) -> str:
     """What the format's linears run in a decode step of this engine (its kernel report: the ISA level
     of qcompile's kernels named beside them)."""
     if fmt.kind in ("int4", "fp8"):
-        return ", ".join(engine.kernels[fmt.kind]["decode"])
-    return engine.kernels["linear"]
+        return ", ".join(engine.load_report.kernels[fmt.kind]["decode"])
+    return engine.load_report.kernels["linear"]
 
 
 def serve(model: Transformer, fmt: Format, num_blocks: int) -> Engine:
@@ -176,29 +177,22 @@ def decode_step(engine: Engine, ids: torch.Tensor, positions: torch.Tensor) -> t
 
 # "wall": elapsed time; "thread": the calling thread's CPU time, which at one thread (where torch's
 # and llama.cpp's work runs on the calling thread) leaves out the time other processes hold the core.
-CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+CLOCK_NAMES = ("wall", "thread")
 
 
-def best_ms(fn, repeats: int, clock, runs: int = 3) -> float:
-    """ms per call on ``clock``: the best of ``runs`` runs of ``repeats`` calls (another process's
-    burst inflates a run, never shortens it), after one warm-up call (packs built on first use)."""
-    fn()
-    best = float("inf")
-    for _ in range(runs):
-        start = clock()
-        for _ in range(repeats):
-            fn()
-        best = min(best, (clock() - start) / repeats)
-    return best * 1e3
+def step_ms(fn, repeats: int, clock: str) -> float:
+    """ms per call on ``clock``: the median of ``repeats`` calls after one untimed (packs built on first use)."""
+    return measure(fn, repeats, clocks=(clock,)).median_ms(clock)
 
 
-def read_gb_s(t: torch.Tensor, clock, runs: int = 5) -> float:
+def read_gb_s(t: torch.Tensor, clock: str, runs: int = 5) -> float:
     """GB/s of a plain read of ``t``, a large float32 tensor, on torch's threads: the fastest of
-    three reductions over it, each best of ``runs``: their arithmetic costs less than the read (on
+    three reductions over it, each its fastest of ``runs`` (a probe of what the memory gives: another
+    process's traffic slows a read, never speeds it): their arithmetic costs less than the read (on
     one core of the AMD EPYC, over 8 MB in cache: 52-93 GB/s), but how fast they stream from memory
     differs (over 1 GiB: a sum 17.7, a max 22.5, a dot product with itself 22.4 GB/s)."""
     reads = (t.sum, t.amax, lambda: torch.dot(t, t))
-    seconds = min(best_ms(read, 1, clock, runs) for read in reads) / 1e3
+    seconds = min(measure(read, runs, clocks=(clock,)).stats(clock)["min"] for read in reads) / 1e3
     return t.numel() * t.element_size() / seconds / 1e9
 
 
@@ -214,7 +208,7 @@ def add_shares(rows: list[dict], bandwidth: float) -> None:
                 f["share_of_bandwidth"] = f["gb_s"] / bandwidth
 
 
-def measure(model_name: str, fmt: Format, args) -> dict:
+def format_row(model_name: str, fmt: Format, args) -> dict:
     """One table row: the format's decode step at each row count."""
     config = model_config(model_name, args.vocab)
     model = quantize(random_model(config), fmt)
@@ -228,7 +222,7 @@ def measure(model_name: str, fmt: Format, args) -> dict:
             logits = decode_step(engine, ids, positions)
             if not torch.isfinite(logits).all():
                 raise RuntimeError(f"{model_name} {fmt.name}: non-finite logits at {rows} rows")
-            ms = best_ms(lambda: decode_step(engine, ids, positions), args.repeats, CLOCKS[args.clock])
+            ms = step_ms(lambda: decode_step(engine, ids, positions), args.repeats, args.clock)
             row[f"rows_{rows}"] = figures(weight_bytes, ms)
     row["load_average"] = os.getloadavg()[0]
     return row
@@ -287,13 +281,12 @@ def step():
     llm.n_tokens = len(cfg["prompt"])  # eval drops the cache from here on: every step decodes this position
     llm.eval([cfg["token"]])
 step()
-best = float("inf")
-for _ in range(3):
+seconds = []
+for _ in range(cfg["repeats"]):
     start = clock()
-    for _ in range(cfg["repeats"]):
-        step()
-    best = min(best, (clock() - start) / cfg["repeats"])
-print(json.dumps({"ms": best * 1e3, "version": llama_cpp.__version__,
+    step()
+    seconds.append(clock() - start)
+print(json.dumps({"seconds": seconds, "version": llama_cpp.__version__,
                   "system_info": llama_cpp.llama_print_system_info().decode()}))
 """
 
@@ -321,8 +314,9 @@ def measure_llama_cpp(model_name: str, args) -> list[dict]:
         path = args.work_dir / f"{model_name}-{gguf_type}.gguf"
         layer_bytes = write_gguf(quantize(random_model(config), FORMATS[fmt_name]), path)
         out = run_llama_cpp(path, args)
+        ms = Timing({"wall": out["seconds"]}).median_ms()  # the child's steps on args.clock
         rows.append({"model": model_name, "format": f"llama.cpp {gguf_type}", "kernel": "llama.cpp",
-                     "weight_bytes": layer_bytes, "rows_1": figures(layer_bytes, out["ms"]),
+                     "weight_bytes": layer_bytes, "rows_1": figures(layer_bytes, ms),
                      "load_average": os.getloadavg()[0], "llama_cpp_version": out["version"],
                      "system_info": out["system_info"]})
         path.unlink()  # several GB for the float 1B model
@@ -395,13 +389,7 @@ def plot(rows: list[dict], meta: dict, row_counts: list[int], path: Path) -> Non
     fig.savefig(path, dpi=120)
 
 
-def git_commit() -> str | None:
-    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          timeout=10)
-    return done.stdout.strip() or None
-
-
-def main() -> None:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
@@ -409,8 +397,8 @@ def main() -> None:
     p.add_argument("--rows", default="1,16", help="sequences per decode step, one token each")
     p.add_argument("--context", type=int, default=128, help="cached positions each sequence attends over")
     p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=5, help="decode steps per timed run (best of three runs)")
-    p.add_argument("--clock", choices=CLOCKS, default="wall",
+    p.add_argument("--repeats", type=int, default=5, help="timed decode steps (their median)")
+    p.add_argument("--clock", choices=CLOCK_NAMES, default="wall",
                    help="wall time, or (with --threads 1) the thread's CPU time, for a machine other processes share")
     p.add_argument("--bandwidth-gib", type=float, default=1.0)
     p.add_argument("--llama-cpp-path", type=Path, help="a directory llama_cpp imports from (pip install --target)")
@@ -418,7 +406,7 @@ def main() -> None:
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/cpu_layers_bandwidth"), help="where the GGUFs are written")
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.rows = [int(r) for r in args.rows.split(",")]
     models, formats = args.models.split(","), args.formats.split(",")
     unknown = sorted(set(models) - set(MODELS)) + sorted(set(formats) - set(FORMATS))
@@ -428,14 +416,14 @@ def main() -> None:
         p.error("--clock thread counts the calling thread's CPU time only: it needs --threads 1")
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
-    clock = CLOCKS[args.clock]
+    clock = args.clock
     probe = torch.ones(int(args.bandwidth_gib * 2**30) // 4)  # written once, so that every page is mapped
     probes = []
     rows = []
     for model_name in models:
         for fmt_name in formats:
             probes.append(read_gb_s(probe, clock))
-            rows.append(measure(model_name, FORMATS[fmt_name], args))
+            rows.append(format_row(model_name, FORMATS[fmt_name], args))
             gc.collect()  # the last format's model and engine go before the next is built (the 1B float: 8 GB)
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         if args.llama_cpp_path:
@@ -449,13 +437,10 @@ def main() -> None:
             "bandwidth_probes": probes, "bandwidth_gib": args.bandwidth_gib, "context": args.context, "vocab": args.vocab,
             "load_average_start": load_start, "load_average_end": os.getloadavg()[0]}
     print_table(rows, meta, args.rows)
-    if args.json:
-        doc = {**meta, "command": " ".join(["python", *sys.argv]), "commit": git_commit(), "repeats": args.repeats,
-               "llama_cpp_path": str(args.llama_cpp_path) if args.llama_cpp_path else None, "rows": rows}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1) + "\n")
     if args.plot:
         plot(rows, meta, args.rows, args.plot)
+    return write_result(args.json, rows, **meta, repeats=args.repeats,
+                        llama_cpp_path=str(args.llama_cpp_path) if args.llama_cpp_path else None)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 The layers are SmolLM2's decoder projections as the engine runs them (q/k/v fused 576 -> 960,
 o 576 -> 576, gate/up fused 576 -> 3072, down 1536 -> 576), ``--layers`` copies of each, so that the
 weights (SmolLM2's 425 MB at 30 layers) are cold in cache as in a decode step. Prints ms for one
-pass over all of them per way (the best of three timed runs); ``compiler/kernels/dispatch.py``
+pass over all of them per way (the median of ``--repeats`` passes after one untimed, ``benchmarks/common.py``;
+``--json`` also writes the rows, with each median's p90); ``compiler/kernels/dispatch.py``
 chooses its packed way and oneDNN's crossover (per CPU vendor) from it. qcompile's columns need the
 C++ kernels ("-" where they are not loaded); ``--isa`` runs them at each ISA level given (levels the
 CPU runs: ``compiler/kernels/cpu_isa.py``), one table each, instead of the process's level.
@@ -30,7 +31,6 @@ import argparse
 import contextlib
 import copy
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import measure, write_result  # noqa: E402
 from compiler.kernels.cpu_ext import cpu_isa_in_use, cpu_kernels, use_isa  # noqa: E402
 from compiler.kernels.dense_cpu import pack_dense_weight  # noqa: E402
 from serving.bench.environment import cpu_model  # noqa: E402
@@ -45,22 +46,21 @@ from serving.bench.environment import cpu_model  # noqa: E402
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out)
 
 
-def pass_ms(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor], linear, repeats: int) -> float:
+def pass_ms(weights: list, inputs: dict[int, torch.Tensor], linear, repeats: int, record: dict | None = None,
+            key: str = "") -> float:
+    """The median ms of one pass over ``weights`` (the warm-up builds oneDNN's primitive per shape); its
+    statistics go into ``record[key]``."""
     def one_pass():
         for w in weights:
             linear(inputs[w.shape[1]], w)  # a packed weight keeps its [out, in] sizes
 
-    one_pass()  # warm-up (oneDNN builds its primitive per shape on first use)
-    best = float("inf")
-    for _ in range(3):  # the best of three: another process's burst inflates one run, never shortens it
-        start = time.perf_counter()
-        for _ in range(repeats):
-            one_pass()
-        best = min(best, (time.perf_counter() - start) / repeats * 1e3)
-    return best
+    stats = measure(one_pass, repeats).stats()
+    if record is not None:
+        record[key] = {"ms": stats["p50"], "p90_ms": stats["p90"]}
+    return stats["p50"]
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default="1,2,3,4,16,64,512")
@@ -70,7 +70,8 @@ def main() -> None:
     p.add_argument("--int4", action="store_true", help="also time Int4Linear modules, W4A16 and W4A8")
     p.add_argument("--int8", action="store_true", help="also time W8A8: w8a8_linear and torch._int_mm")
     p.add_argument("--isa", help="ISA levels to run qcompile's kernels at, a comma list (default: the process's)")
-    args = p.parse_args()
+    p.add_argument("--json", type=Path, help="also write the rows here")
+    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     weights = [torch.randn(n, k) for _ in range(args.layers) for k, n in SHAPES]
@@ -79,39 +80,46 @@ def main() -> None:
     float_modules, fp8_modules = engine_modules(weights) if args.modules else ([], [])
     w4a16_modules, w4a8_modules = int4_modules(weights) if args.int4 else ([], [])
     int8_weights = [_Int8(w) for w in weights] if args.int8 else []
+    rows = []
     for level in args.isa.split(",") if args.isa else [cpu_isa_in_use()]:
         with use_isa(level) if level else contextlib.nullcontext():
             print(f"{args.layers} layers x {len(SHAPES)} projections, float32, {args.threads} threads, qcompile's kernels "
                   f"at {level or 'none'} ({cpu_model()}): ms per pass")
-            print_table(args, weights, packed, ours, float_modules, fp8_modules, w4a16_modules, w4a8_modules,
-                        int8_weights)
+            rows += print_table(args, weights, packed, ours, float_modules, fp8_modules, w4a16_modules, w4a8_modules,
+                                int8_weights, level)
+    return write_result(args.json, rows, layers=args.layers, threads=args.threads, shapes=SHAPES)
 
 
 def print_table(args, weights, packed, ours, float_modules, fp8_modules, w4a16_modules, w4a8_modules,
-                int8_weights) -> None:
+                int8_weights, level: str | None) -> list[dict]:
     onednn = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731
     ops = cpu_kernels()
     print(f"{'rows':>6} {'F.linear (MKL)':>16} {'oneDNN packed':>15} {'qcompile packed':>17}"
           + (f" {'PackedLinear':>13} {'Fp8Linear':>10}" if args.modules else "")
           + (f" {'INT4 W4A16':>11} {'INT4 W4A8':>10}" if args.int4 else "")
           + (f" {'W8A8 qcompile':>14} {'W8A8 _int_mm':>13}" if args.int8 else ""))
+    table = []
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
             inputs = {k: torch.randn(rows, k) for k in {k for k, _ in SHAPES}}
-            mkl = pass_ms(weights, inputs, lambda x, w: F.linear(x, w), args.repeats)
-            dnn = pass_ms(packed, inputs, onednn, args.repeats)
-            own = f"{pass_ms(ours, inputs, lambda x, p: ops.dense_linear(x, p.packed, p.shape[0], None), args.repeats):.1f}" if ours else "-"
+            row = {"isa": level, "rows": rows}
+            mkl = pass_ms(weights, inputs, lambda x, w: F.linear(x, w), args.repeats, row, "mkl")
+            dnn = pass_ms(packed, inputs, onednn, args.repeats, row, "onednn")
+            own = (f"{pass_ms(ours, inputs, lambda x, p: ops.dense_linear(x, p.packed, p.shape[0], None), args.repeats, row, 'qcompile'):.1f}"
+                   if ours else "-")
             line = f"{rows:>6} {mkl:>16.1f} {dnn:>15.1f} {own:>17}"
             if args.modules:
-                line += f" {pass_ms(float_modules, inputs, call, args.repeats):>13.1f}"
-                line += f" {pass_ms(fp8_modules, inputs, call, args.repeats):>10.1f}"
+                line += f" {pass_ms(float_modules, inputs, call, args.repeats, row, 'packed_linear'):>13.1f}"
+                line += f" {pass_ms(fp8_modules, inputs, call, args.repeats, row, 'fp8_linear'):>10.1f}"
             if args.int4:
-                line += f" {pass_ms(w4a16_modules, inputs, call, args.repeats):>11.1f}"
-                line += f" {pass_ms(w4a8_modules, inputs, call, args.repeats):>10.1f}"
+                line += f" {pass_ms(w4a16_modules, inputs, call, args.repeats, row, 'int4_w4a16'):>11.1f}"
+                line += f" {pass_ms(w4a8_modules, inputs, call, args.repeats, row, 'int4_w4a8'):>10.1f}"
             if args.int8:
-                own8 = f"{pass_ms(int8_weights, inputs, _Int8.w8a8, args.repeats):.1f}" if ops is not None else "-"
-                line += f" {own8:>14} {pass_ms(int8_weights, inputs, _Int8.int_mm, args.repeats):>13.1f}"
+                own8 = f"{pass_ms(int8_weights, inputs, _Int8.w8a8, args.repeats, row, 'w8a8_qcompile'):.1f}" if ops is not None else "-"
+                line += f" {own8:>14} {pass_ms(int8_weights, inputs, _Int8.int_mm, args.repeats, row, 'w8a8_int_mm'):>13.1f}"
             print(line)
+            table.append(row)
+    return table
 
 
 class _Packed:

@@ -8,7 +8,8 @@ Held-out text: the pydoc evaluation region (the training corpus's last 30%, neve
 the built-in corpus "stdlib-docs" (calib/corpus.py: the docstrings of a fixed list of standard-library
 modules, present on any CPython 3.11; never trained on, its evaluation region is used). With
 --train-docs the QAT run also trains on the pool of numpy's docstrings. Results are written as JSON
-under --out and printed as one JSON line.
+under --out (``benchmarks/common.py``'s result format, the run's figures as its one row) and printed as
+one JSON line. ``--model`` names another teacher (a built-in model or a checkpoint path).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import write_result  # noqa: E402
 from compiler.formats.int4 import Int4Linear  # noqa: E402
 from compiler.formats.qlinear import linear_modules  # noqa: E402
 from compiler.io.load import load_checkpoint  # noqa: E402
@@ -151,7 +153,7 @@ def run_memory(args, teacher, tokenizer) -> dict:
     rows = {}
     for ckpt in (False, True):
         cmd = [sys.executable, __file__, "memory-one", "--steps", str(args.steps), "--seq-len", str(args.seq_len),
-               "--batch-size", str(args.batch_size), "--out", str(args.out)] + (["--ckpt"] if ckpt else [])
+               "--batch-size", str(args.batch_size), "--out", str(args.out), "--model", args.model] + (["--ckpt"] if ckpt else [])
         line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         rows["with_checkpointing" if ckpt else "without_checkpointing"] = json.loads(line)
     return rows
@@ -185,9 +187,10 @@ def run_memory_one(args, teacher, tokenizer) -> dict:
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "steps": args.steps}
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("qat", "half", "memory", "memory-one"))
+    p.add_argument("--model", default="smollm2", help="the teacher: a built-in model or a checkpoint path")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=4)
@@ -211,21 +214,20 @@ def main() -> None:
     p.add_argument("--awq-samples", type=int, default=32)
     p.add_argument("--awq-seq-len", type=int, default=256)
     p.add_argument("--out", type=Path, default=Path("out/bench-distill"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.manual_seed(0)
     if args.what == "memory":  # each setting loads the model in its own process
         result = {"what": "memory", **run_memory(args, None, None)}
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "memory.json").write_text(json.dumps(result, indent=1))
         print(json.dumps(result))
-        return
-    loaded = load_checkpoint("smollm2")
+        return write_result(args.out / "memory.json", [result], model=args.model)
+    loaded = load_checkpoint(args.model)
     args.second = "stdlib-docs" if args.what in ("qat", "half") else None
     run = {"qat": run_qat, "half": run_half, "memory-one": run_memory_one}[args.what]
     result = {"what": args.what, "args": {k: str(v) for k, v in vars(args).items()}, **run(args, loaded.model, loaded.tokenizer)}
-    if args.what != "memory-one":
-        (args.out / f"{args.what}.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
+    print(json.dumps(result))  # memory-one: the line run_memory reads
+    if args.what == "memory-one":
+        return result
+    return write_result(args.out / f"{args.what}.json", [result], model=args.model)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
         [--int8 out/int8-w8a8] \
         [--vllm --vllm-int4 out/awq-g128-fp16 --vllm-fp8 out/fp8-vllm] [--onnx [--onnx-standard]] [--llama-cpp [--gguf-q4-0 out/awq-gguf-q4_0]] \
         [--genai-path /tmp/ortgenai --genai-model /tmp/genai-int4] [--threads 2] [--output-len 128] \
-        [--json docs/data/engine_vs_peers.json] [--plot out/engine_vs_peers.png]
+        [--json out/engine_vs_peers.json] [--plot out/engine_vs_peers.png]
 
 Two workloads of issue 23, both greedy with EOS ignored, prompts of ``--prompt-len`` real pydoc
 tokens (the bench suite's synthetic workload, the same ids for every runtime):
@@ -58,6 +58,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import write_result  # noqa: E402
 from serving.bench.workload import LengthDist, WorkloadConfig, build_requests  # noqa: E402
 
 VLLM_PORT = 18470
@@ -374,7 +375,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--float", type=Path, required=True, help="the float artifact (qcompile compile -c examples/float.toml)")
     p.add_argument("--int4", type=Path, help="an INT4 artifact (examples/awq_g128.toml)")
@@ -409,7 +410,7 @@ def main() -> None:
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/engine_vs_peers"))
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if bool(args.genai_path) != bool(args.genai_model):
         p.error("--genai-path and --genai-model go together")
     if args.onnx_standard and not args.onnx:
@@ -432,15 +433,12 @@ def main() -> None:
                               "load_average": os.getloadavg()}), file=sys.stderr, flush=True)
     rows = table_rows(results)
     print_table(rows, args)
-    if args.json:
-        doc = {"workload": {"prompt_len": args.prompt_len, "output_len": args.output_len, "greedy": True,
-                            "ignore_eos": True, "single_requests": args.single_requests, "concurrent": 16},
-               "threads": args.threads, "rounds": args.rounds, "wall_s": round(time.time() - started, 1),
-               "load_average_end": os.getloadavg(), "rows": rows, "per_round": results}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1) + "\n")
     if args.plot:
         plot(rows, args.plot)
+    return write_result(args.json, rows, workload={"prompt_len": args.prompt_len, "output_len": args.output_len,
+                                                   "greedy": True, "ignore_eos": True,
+                                                   "single_requests": args.single_requests, "concurrent": 16},
+                        threads=args.threads, rounds=args.rounds, wall_s=round(time.time() - started, 1), per_round=results)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,15 +25,18 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-import passes  # noqa: F401  (registers the fp8 pass)
-from calib import SPLITS, evaluation_windows
-from compiler.io.artifact import load_artifact
-from compiler.io.load import load_checkpoint
-from compiler.io.summary import artifact_summary
-from compiler.pipeline import PipelineConfig
-from compiler.pipeline.compile import compile_loaded
-from compiler.pipeline.evaluate import corpus_split
-from passes.distill.evaluate import compare_on_windows, teacher_logits
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import passes  # noqa: E402,F401  (registers the fp8 pass)
+from benchmarks.common import write_result  # noqa: E402
+from calib import SPLITS, evaluation_windows  # noqa: E402
+from compiler.io.artifact import load_artifact  # noqa: E402
+from compiler.io.load import load_checkpoint  # noqa: E402
+from compiler.io.summary import artifact_summary  # noqa: E402
+from compiler.pipeline import PipelineConfig  # noqa: E402
+from compiler.pipeline.compile import compile_loaded  # noqa: E402
+from compiler.pipeline.evaluate import corpus_split  # noqa: E402
+from passes.distill.evaluate import compare_on_windows, teacher_logits  # noqa: E402
 
 E5M2 = {"weight_dtype": "float8_e5m2", "activation_dtype": "float8_e5m2"}
 # label -> fp8 pass options (None: the float baseline, no passes)
@@ -87,7 +90,7 @@ def held_out_sets(source, corpora: list[str], split: str, windows: int) -> dict[
     return sets
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2", help="a built-in model (smollm2, gemma3-270m) or a checkpoint path")
     ap.add_argument("--windows", type=int, default=16, help="per corpus (stdlib-docs holds 15 per region)")
@@ -98,7 +101,7 @@ def main() -> None:
     ap.add_argument("--split", default="evaluation", choices=SPLITS,
                     help="validation to choose settings on, evaluation for figures that are reported")
     ap.add_argument("--json", type=Path, help="also write the rows here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     console = Console(width=200)
     source = load_checkpoint(args.model)
     labels = ["float"] + [v for v in (args.only or VARIANTS) if v != "float"]
@@ -128,8 +131,7 @@ def main() -> None:
                               f"top-1 {scores['top1_agreement']:.4f}")
             del model
     console.print(results_table(rows, args))
-    if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "split": args.split, "samples": args.samples, "rows": rows}, indent=1))
+    return write_result(args.json, rows, model=args.model, split=args.split, samples=args.samples)
 
 
 def results_table(rows: list[dict], args) -> Table:

@@ -44,7 +44,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -52,6 +51,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import Timing, write_result  # noqa: E402
 
 TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M"}  # --types name -> llama-quantize's
 METHODS = ("llama.cpp", "llama.cpp+imatrix", "qcompile")
@@ -212,8 +213,8 @@ def decode_ms_per_token(path: Path, runs: int, threads: int = 2) -> float:
                           verbose=False)
     try:
         prompt = llm.tokenize(DECODE_PROMPT.encode())
-        times = []
-        for _ in range(runs + 1):  # the first run warms up
+        timing = Timing()
+        for run in range(runs + 1):  # the first run warms up
             llm.reset()
             n, started = 0, None
             for _token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
@@ -222,8 +223,9 @@ def decode_ms_per_token(path: Path, runs: int, threads: int = 2) -> float:
                     started = time.perf_counter()
                 elif n == DECODE_TOKENS + 1:
                     break
-            times.append((time.perf_counter() - started) * 1000 / (n - 1))
-        return statistics.median(times[1:])
+            if run:
+                timing.add(wall=(time.perf_counter() - started) / (n - 1))
+        return timing.median_ms()
     finally:
         llm.close()
 
@@ -349,7 +351,7 @@ def table(rows: list[dict], decode_threads: int = 2) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="a built-in model (smollm2, gemma3-270m) or a checkpoint path")
     ap.add_argument("--types", default="q4_0,q4_1,q4_k_m", help=f"comma-separated, of {', '.join(TYPES)}")
@@ -364,7 +366,7 @@ def main() -> None:
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/gguf-bench"))
     ap.add_argument("--json", type=Path, help="also write the rows, goals and step times here")
     ap.add_argument("--force", action="store_true", help="redo every step, even where its output exists")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.types = args.types.split(",")
     if unknown := [t for t in args.types if t not in TYPES]:
         ap.error(f"unknown types {unknown}; use {', '.join(TYPES)}")
@@ -394,11 +396,8 @@ def main() -> None:
     for g in goals:
         print(f"{g['type']}: {g['goal']}: {'HOLDS' if g['holds'] else 'does NOT hold'} ({g['detail']})")
     print("\nstep seconds:", json.dumps(steps.seconds, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "windows": args.windows,
-                                         "decode_threads": args.decode_threads, "rows": rows, "goals": goals,
-                                         "step_seconds": steps.seconds}, indent=1))
-        print(f"wrote {args.json}")
+    return write_result(args.json, rows, model=args.model, windows=args.windows, decode_threads=args.decode_threads,
+                        goals=goals, step_seconds=steps.seconds)
 
 
 if __name__ == "__main__":

@@ -37,15 +37,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import compiler.kernels.fp8_gemm
-from compiler.formats.fp8 import Fp8Format, Fp8Linear
-from compiler.formats.int4 import Int4Linear
-from compiler.kernels.fp8 import default_config, triton_fp8_gemm, triton_quantize_rows
-from compiler.kernels.fp8_gemm import dequant_gemm, scaled_mm_gemm
-from compiler.kernels.w4a16 import w4_dequantize, w4a16_matmul
-from compiler.model.config import ModelConfig
-from compiler.model.transformer import Transformer
-from compiler.quant.fp8 import quantize, quantize_per_token, quantize_per_token_group
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import compiler.kernels.fp8_gemm  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
+from compiler.formats.fp8 import Fp8Format, Fp8Linear  # noqa: E402
+from compiler.formats.int4 import Int4Linear  # noqa: E402
+from compiler.kernels.fp8 import default_config, triton_fp8_gemm, triton_quantize_rows  # noqa: E402
+from compiler.kernels.fp8_gemm import dequant_gemm, scaled_mm_gemm  # noqa: E402
+from compiler.kernels.w4a16 import w4_dequantize, w4a16_matmul  # noqa: E402
+from compiler.model.config import ModelConfig  # noqa: E402
+from compiler.model.transformer import Transformer  # noqa: E402
+from compiler.quant.fp8 import quantize, quantize_per_token, quantize_per_token_group  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 FP8_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "precise_acc")
@@ -368,11 +371,11 @@ def perturbed_gemms(model: Transformer, ids: torch.Tensor, size: float = 1e-3) -
         fp8.fp8_gemm = exact
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write all results to this file")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timings (CPU under TRITON_INTERPRET=1)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not (args.smoke and os.environ.get("TRITON_INTERPRET") == "1"):
         raise SystemExit("no CUDA device: run with --smoke under TRITON_INTERPRET=1 for a CPU dry run")
@@ -389,9 +392,8 @@ def main() -> None:
         print(name, json.dumps(results[name])[:3000], f"({time.time() - start:.0f} s)", flush=True)
         if name == "model_correctness":  # the correctness parts are done: check them before the timings
             results["failed_checks"] = out_of_bounds(results, device.type)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+        if args.json:  # after each part: a later part that hangs keeps the earlier ones; the parts as fields, no rows
+            write_result(args.json, [], **results)
     for failure in results["failed_checks"]:
         print(f"FAILED {failure}", file=sys.stderr)
     if results["failed_checks"]:

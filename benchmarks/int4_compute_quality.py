@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import write_result  # noqa: E402
 from calib import SPLITS, evaluation_windows  # noqa: E402
 from compiler.io.artifact import load_artifact  # noqa: E402
 from compiler.io.load import load_checkpoint  # noqa: E402
@@ -44,7 +44,7 @@ def with_w4a8(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("artifacts", nargs="+", type=Path, help="INT4 artifacts (e.g. qcompile compile -c examples/awq_g128.toml)")
     ap.add_argument("--model", default="smollm2", help="the float model the artifacts were compiled from")
@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--split", default="evaluation", choices=SPLITS,
                     help="validation to choose settings on, evaluation for figures that are reported")
     ap.add_argument("--json", type=Path, help="also write the rows here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if why := w4a8_unavailable_reason():
         raise SystemExit(f"W4A8 cannot run here: {why}")
     console = Console(width=200)
@@ -76,8 +76,7 @@ def main() -> None:
                              "kl_vs_w4a16": added["kl"] if compute == "w4a8" else 0.0})
                 console.print(f"{artifact} {compute} on {corpus}: ppl {s['ppl_student']:.4f}, KL {s['kl']:.5f}")
     console.print(results_table(rows))
-    if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "split": args.split, "rows": rows}, indent=1))
+    return write_result(args.json, rows, model=args.model, split=args.split)
 
 
 def results_table(rows: list[dict]) -> Table:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import tempfile
 import time
@@ -30,17 +29,17 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import backends  # noqa: E402,F401  (registers the vllm target)
 import passes  # noqa: E402,F401  (registers the int8 pass)
+from benchmarks.common import write_result  # noqa: E402
+from benchmarks.fp8_quality import held_out_sets  # noqa: E402
 from calib import SPLITS, evaluation_windows  # noqa: E402
 from compiler.io.artifact import load_artifact  # noqa: E402
 from compiler.io.load import load_checkpoint  # noqa: E402
 from compiler.pipeline import PipelineConfig  # noqa: E402
 from compiler.pipeline.compile import compile_loaded  # noqa: E402
 from compiler.pipeline.evaluate import corpus_split  # noqa: E402
-from fp8_quality import held_out_sets  # noqa: E402
 from passes.distill.evaluate import compare_on_windows  # noqa: E402
 
 EXAMPLE = tomllib.loads((ROOT / "examples" / "int8_w8a8.toml").read_text())["passes"][0]
@@ -70,7 +69,7 @@ def vllm_perplexity(artifact: Path, out: Path, windows: torch.Tensor) -> dict:
     from backends.vllm.runtime import VllmOptions, VllmServer, vllm_host
     from compiler.deploy.lowering import lower
 
-    checkpoint = lower(artifact, "vllm", out / f"{artifact.name}-vllm")
+    checkpoint = lower(artifact, "vllm", out / f"{artifact.name}-vllm").path
     opts = VllmOptions(checkpoint, port=free_port(), served_name="model", max_model_len=1024,
                        extra_args=["--enforce-eager"])
     with VllmServer(opts, log_path=out / f"{artifact.name}-vllm.log") as server:
@@ -78,7 +77,7 @@ def vllm_perplexity(artifact: Path, out: Path, windows: torch.Tensor) -> dict:
         return {**result, "vllm_build": vllm_host(server.python).build}
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2", help="a built-in model (smollm2, gemma3-270m) or a checkpoint path")
     ap.add_argument("--dtype", default="float32", help="the compile's model dtype")
@@ -90,7 +89,7 @@ def main() -> None:
                     help="validation to choose settings on, evaluation for figures that are reported")
     ap.add_argument("--vllm", action="store_true", help="also vLLM CPU's perplexity on each W8A8 export (pydoc)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     console = Console(width=200)
     source = load_checkpoint(args.model, dtype=args.dtype)
     labels = ["float"] + [v for v in (args.only or VARIANTS) if v != "float"]
@@ -125,10 +124,8 @@ def main() -> None:
                 console.print(f"{label}: vLLM {theirs['ppl']:.4f} against qcompile eval {ours:.4f} "
                               f"({100 * (theirs['ppl'] / ours - 1):+.2f}%, vLLM build {theirs['vllm_build']})")
     console.print(results_table(rows, args))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"model": args.model, "dtype": args.dtype, "split": args.split,
-                                         "samples": args.samples, "rows": rows, "vllm": served}, indent=1) + "\n")
+    return write_result(args.json, rows, model=args.model, dtype=args.dtype, split=args.split, samples=args.samples,
+                        vllm=served)
 
 
 def results_table(rows: list[dict], args) -> Table:

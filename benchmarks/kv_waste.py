@@ -16,15 +16,16 @@ contiguous cache must. Also reports how many requests run at once in the same me
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
+from benchmarks.common import write_result  # noqa: E402
 from serving.kv_manager import KVCacheManager  # noqa: E402
 from serving.request import Request  # noqa: E402
 from serving.scheduler import Scheduler  # noqa: E402
@@ -90,9 +91,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--reserve", type=int, nargs="+", default=[1000, 2048])
-    result = simulate(ap.parse_args(argv))
-    print(json.dumps(result, indent=1))
-    return result
+    ap.add_argument("--json", type=Path, help="also write the result here")
+    args = ap.parse_args(argv)
+    row = simulate(args)
+    print(f"KV-cache waste: paged {row['paged_waste_pct']}% ({row['paged_mean_running']} requests at once), "
+          + ", ".join(f"contiguous reserving {r}: {c['waste_pct']}%" for r, c in row["contiguous"].items()))
+    return write_result(args.json, [row])
 
 
 if __name__ == "__main__":

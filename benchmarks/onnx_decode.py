@@ -1,9 +1,10 @@
 """Decode latency per token at batch 1 on this CPU: INT4 MatMulNBits vs float ONNX vs torch.
 
-    python benchmarks/onnx_decode.py [--tokens 32] [--repeats 3] [--threads N] [--accuracy-levels 0,4]
-        [--attention gqa,standard,gqa-rotary-op] [--max-len L] [--json]
+    python benchmarks/onnx_decode.py [--model smollm2] [--tokens 32] [--repeats 3] [--threads N] [--accuracy-levels 0,4]
+        [--attention gqa,standard,gqa-rotary-op] [--max-len L] [--json FILE]
 
-All run in one process on the same prompt, interleaved per repeat (best repeat kept), so the
+All run in one process on the same prompt, interleaved per repeat (each figure the median of the
+repeats, ``benchmarks/common.py``), so the
 ratios are measured under the same machine load; "CPU ms/token" is the process's CPU time per
 token, which other processes' load barely moves (at ``--threads 1``; with more it also counts the
 threads' spinning). The torch baselines are the plain model and its
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import tempfile
 import time
@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.onnx.export import OnnxExportOptions, export_onnx  # noqa: E402
+from benchmarks.common import Timing, write_result  # noqa: E402
 from backends.onnx.runner import OnnxRunner  # noqa: E402
 from compiler.formats.int4 import Int4Linear  # noqa: E402
 from compiler.formats.qlinear import linear_modules  # noqa: E402
@@ -73,14 +74,14 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return total
 
 
-def per_token(start: tuple[float, float], tokens: int) -> tuple[float, float]:
-    """(wall, CPU) seconds per token since ``start`` = (perf_counter, process_time). The process's CPU
+def per_token(start: tuple[float, float], tokens: int) -> dict[str, float]:
+    """Wall and CPU seconds per token since ``start`` = (perf_counter, process_time). The process's CPU
     time barely moves with other processes' load: at one thread it is the figure to compare on a
     shared machine (at more it also counts the threads' spinning)."""
-    return (time.perf_counter() - start[0]) / tokens, (time.process_time() - start[1]) / tokens
+    return {"wall": (time.perf_counter() - start[0]) / tokens, "process": (time.process_time() - start[1]) / tokens}
 
 
-def torch_decode(model, prompt: torch.Tensor, tokens: int) -> tuple[float, float]:
+def torch_decode(model, prompt: torch.Tensor, tokens: int) -> dict[str, float]:
     c = model.config
     cache = ContiguousKVCache(c.n_layers, 1, PROMPT_LEN + tokens + 1, c.n_kv_heads, c.head_dim)
     with torch.no_grad():
@@ -92,7 +93,7 @@ def torch_decode(model, prompt: torch.Tensor, tokens: int) -> tuple[float, float
         return per_token(start, tokens)
 
 
-def onnx_decode(runner: OnnxRunner, prompt: np.ndarray, tokens: int) -> tuple[float, float]:
+def onnx_decode(runner: OnnxRunner, prompt: np.ndarray, tokens: int) -> dict[str, float]:
     logits = runner.prefill(prompt)
     start = time.perf_counter(), time.process_time()
     for _ in range(tokens):
@@ -116,9 +117,9 @@ def prefill_rel_error(runner: OnnxRunner, model, prompt: torch.Tensor) -> float:
 
 
 def run(tokens: int, repeats: int, threads: int, accuracy_levels: list[int], attention: list[str],
-        max_len: int | None = None) -> dict:
+        max_len: int | None = None, model: str = "smollm2") -> dict:
     torch.set_num_threads(threads)
-    loaded = load_checkpoint("smollm2")
+    loaded = load_checkpoint(model)
     int4 = int4_copy(loaded.model)
     max_len = max_len or PROMPT_LEN + tokens + 1
     torch_models = {"torch float32": loaded.model, "torch INT4 g64": int4}
@@ -140,19 +141,19 @@ def run(tokens: int, repeats: int, threads: int, accuracy_levels: list[int], att
             export_onnx(variant, out, OnnxExportOptions(max_len=max_len, accuracy_level=level, **options))
             runners[label] = OnnxRunner(out, threads=threads)
             rel_errors[label] = prefill_rel_error(runners[label], model, prompt)
-        best = {label: float("inf") for label in models}
-        best_cpu = dict(best)
+        timings = {label: Timing() for label in models}
         for _ in range(repeats):  # interleaved, so load changes hit every runtime alike
             for label in models:
-                wall, cpu = (torch_decode(models[label], prompt, tokens) if label in torch_models
-                             else onnx_decode(runners[label], prompt.numpy(), tokens))
-                best[label], best_cpu[label] = min(best[label], wall), min(best_cpu[label], cpu)
+                timings[label].add(**(torch_decode(models[label], prompt, tokens) if label in torch_models
+                                      else onnx_decode(runners[label], prompt.numpy(), tokens)))
     bandwidth = measure_bandwidth()
     rows = []
-    for label, seconds in best.items():
+    ms = {label: timing.median_ms() for label, timing in timings.items()}
+    for label, timing in timings.items():
         floor = weight_bytes_per_token(models[label]) / bandwidth
-        rows.append({"runtime": label, "ms_per_token": 1e3 * seconds, "cpu_ms_per_token": 1e3 * best_cpu[label],
-                     "speedup_vs_torch": best["torch float32"] / seconds,
+        seconds = ms[label] / 1e3
+        rows.append({"runtime": label, "ms_per_token": ms[label], "cpu_ms_per_token": timing.median_ms("process"),
+                     "speedup_vs_torch": ms["torch float32"] / ms[label],
                      "weight_mib_per_token": weight_bytes_per_token(models[label]) / 2**20,
                      "floor_ms": 1e3 * floor, "fraction_of_floor": floor / seconds, "rel_error": rel_errors.get(label)})
     return {"tokens": tokens, "repeats": repeats, "threads": threads, "max_len": max_len,
@@ -163,7 +164,7 @@ def print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"SmolLM2-135M decode, batch 1, {result['threads']} threads, best of {result['repeats']} × "
+    table = Table(title=f"{result['model']} decode, batch 1, {result['threads']} threads, median of {result['repeats']} × "
                         f"{result['tokens']} tokens, ONNX cache length {result['max_len']}; "
                         f"copy bandwidth {result['bandwidth_gb_s']:.1f} GB/s")
     for col in ("runtime", "ms/token", "CPU ms/token", "× torch", "weights MiB/token", "floor ms", "floor / measured",
@@ -177,22 +178,25 @@ def print_table(result: dict) -> None:
     Console().print(table)
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="a built-in model or a checkpoint path")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--accuracy-levels", default="0,4", help="MatMulNBits accuracy_level of each INT4 bundle")
     parser.add_argument("--attention", default="gqa", help=f"attention of each ONNX bundle, a comma list of {', '.join(ATTENTION)}")
     parser.add_argument("--max-len", type=int, help="the ONNX bundles' cache length (default: prompt + tokens + 1)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
     attention = args.attention.split(",")
     if unknown := set(attention) - set(ATTENTION):
         parser.error(f"--attention {', '.join(sorted(unknown))}: not one of {', '.join(ATTENTION)}")
     result = run(args.tokens, args.repeats, args.threads, [int(v) for v in args.accuracy_levels.split(",")], attention,
-                 args.max_len)
-    print(json.dumps(result, indent=1)) if args.json else print_table(result)
+                 args.max_len, args.model)
+    print_table({**result, "model": args.model})
+    rows = result.pop("rows")
+    return write_result(args.json, rows, model=args.model, **result)
 
 
 if __name__ == "__main__":

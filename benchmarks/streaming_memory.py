@@ -13,7 +13,7 @@
    every tensor's SHA-256 equal, and the reloaded artifacts' logits equal. The memory plan's
    refusal of the in-memory compile at that limit is shown too.
 
-    python benchmarks/streaming_memory.py                       # the table, docs/data/streaming_memory.json
+    python benchmarks/streaming_memory.py                       # the table, docs/data/streaming_memory.json (--json)
     python benchmarks/streaming_memory.py --depths 8 --big-layers 64 --limit 768MiB
 
 AWQ runs with a short search (α grid 2, no clip search or module scoring, round-to-nearest) and
@@ -32,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import write_result  # noqa: E402
 
 WIDTH = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=2)
 BIG_LAYERS = 128  # 1.5 GB of float32 weights, for the compiles under a smaller cgroup limit
@@ -188,22 +190,21 @@ def same_logits(a: Path, b: Path) -> bool:
         return bool(torch.equal(ma(ids), mb(ids)))
 
 
-def main() -> None:
+def main(argv=None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--depths", default="8,16,32")
     p.add_argument("--limit", default="640MiB", help="the cgroup memory limit of the bigger-than-footprint compiles")
     p.add_argument("--big-layers", type=int, default=BIG_LAYERS)
     p.add_argument("--big-pipelines", default="fp8-weights", help=f"of {', '.join(PIPELINES)}")
     p.add_argument("--work", type=Path, default=Path("/tmp/qcompile-streaming-bench"))
-    p.add_argument("--output-json", type=Path, default=ROOT / "docs/data/streaming_memory.json")
+    p.add_argument("--json", "--output-json", type=Path, default=ROOT / "docs/data/streaming_memory.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model"), p.add_argument("--out"), p.add_argument("--pipeline")
     p.add_argument("--streaming"), p.add_argument("--corpus"), p.add_argument("--memory-limit", type=int)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.child:
         return child(args)
     from calib import load_corpus_text
-    from compiler.io.atomic import atomic_write_text
     from compiler.pipeline.memory import parse_size
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -249,8 +250,7 @@ def main() -> None:
               "big_layers": args.big_layers, "checkpoint_bytes": big_size, "limited": limited,
               "in_memory_at_limit": refusal}
     print_table(result)
-    atomic_write_text(args.output_json, json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.output_json}")
+    return write_result(args.json, result.pop("depth"), **result)
 
 
 def print_table(result: dict) -> None:

@@ -5,103 +5,56 @@ HTTP generate_stream) against the in-process engine, same artifact, same workloa
     python benchmarks/triton_overhead.py out/smollm2-float --requests 8 --concurrency 4 \
         --prompt-len 64 --output-len 16
 
-Prompts are real text (token windows of the pydoc corpus), sent as token ids so every run has
-exactly ``--prompt-len`` prompt tokens; output length is enforced with ignore_eos. The in-process
-engine runs before and after the server (the ratio uses their mean) to expose drift on a shared
-machine. Definitions (as genai-perf): TTFT = first token's arrival - request start; ITL = mean gap
-between consecutive tokens of a request, from its first token to its last.
+Every row is ``qcompile bench TARGET --concurrency C --num-requests N --warmup W --prompt-len P
+--output-len O``: the artifact in-process, then ``triton-grpc://`` and ``triton-http://`` on a Triton
+server this script starts on the artifact lowered with ``qcompile lower --target triton``, then the
+artifact in-process again (the ratios use the mean of its two runs, which also shows drift on a
+shared machine). TTFT is ``time_to_first_token``; ITL, the mean gap between a request's consecutive
+tokens (genai-perf's), is ``time_per_output_token``. ``--no-triton`` runs the in-process rows only.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from serving.types import SamplingParams  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
 
 
-def make_prompts(artifact: Path, n: int, length: int) -> list[list[int]]:
-    from calib import load_corpus_text
-    from compiler.io.types import load_tokenizer
+def bench_row(target: str, args) -> dict:
+    """One ``qcompile bench`` load point: TTFT and per-request ITL, mean and median."""
+    from serving.bench.benchmark import load_points, run_benchmark
+    from serving.bench.workload import LengthDist, WorkloadConfig
 
-    ids = load_tokenizer(artifact)(load_corpus_text("pydoc")[:200_000])["input_ids"]
-    stride = max(length, (len(ids) - length) // n)
-    return [ids[i * stride: i * stride + length] for i in range(n)]
-
-
-async def one_request(adapter, prompt: list[int], params: SamplingParams) -> dict:
-    start = time.perf_counter()
-    arrivals = []
-    async for event in adapter.generate(prompt, params):
-        arrivals.extend([time.perf_counter()] * max(1, len(event.token_ids)))
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return {"ttft": arrivals[0] - start, "itl": statistics.mean(gaps) if gaps else 0.0, "tokens": len(arrivals)}
+    workload = WorkloadConfig(LengthDist("fixed", args.prompt_len), LengthDist("fixed", args.output_len))
+    result = run_benchmark(target, workload, load_points([args.concurrency], num_requests=args.requests, warmup=args.warmup),
+                           tokenizer=args.artifact)
+    m = result["runs"][0]["metrics"]
+    ttft, itl = m["time_to_first_token"], m["time_per_output_token"]
+    return {"ttft_mean_ms": ttft["mean"], "ttft_p50_ms": ttft["p50"], "itl_mean_ms": itl["mean"], "itl_p50_ms": itl["p50"],
+            "requests": m["counts"]["successful"], "tokens": m["counts"]["output_tokens"]}
 
 
-async def run_load(adapter, prompts, params: SamplingParams, concurrency: int, warmup: int) -> list[dict]:
-    for prompt in prompts[:warmup]:
-        await one_request(adapter, prompt, params)
-    queue = list(prompts)
-    results = []
-
-    async def worker():
-        while queue:
-            results.append(await one_request(adapter, queue.pop(0), params))
-
-    await asyncio.gather(*[worker() for _ in range(concurrency)])
-    await adapter.close()
-    return results
-
-
-def summarize(results: list[dict]) -> dict:
-    ttft = sorted(r["ttft"] * 1e3 for r in results)
-    itl = sorted(r["itl"] * 1e3 for r in results)
-    return {"ttft_mean_ms": statistics.mean(ttft), "ttft_p50_ms": statistics.median(ttft),
-            "itl_mean_ms": statistics.mean(itl), "itl_p50_ms": statistics.median(itl),
-            "requests": len(results), "tokens": sum(r["tokens"] for r in results)}
-
-
-def in_process(artifact: Path, prompts, params, args) -> dict:
-    from serving.adapters.engine import EngineAdapter
-
-    return summarize(asyncio.run(run_load(EngineAdapter.from_artifact(artifact), prompts, params, args.concurrency, args.warmup)))
-
-
-def through_triton(artifact: Path, prompts, params, args) -> dict[str, dict]:
-    import backends  # noqa: F401
-    from backends.triton.runtime import (
-        ServerOptions,
-        TritonServer,
-        free_port,
-        prepare_runtime,
-    )
+def through_triton(args) -> dict[str, dict]:
+    """The artifact lowered to a Triton repository, served, and benched over gRPC and HTTP."""
+    import backends  # noqa: F401  (registers the triton target)
+    from backends.triton.runtime import ServerOptions, TritonServer, free_port, prepare_runtime
     from compiler.deploy.lowering import lower
-    from serving.adapters.triton_grpc import TritonGrpcAdapter
-    from serving.adapters.triton_http import TritonHttpAdapter
 
     prepare_runtime()
     repo = Path(args.workdir) / "triton-repo"
-    lower(artifact, "triton", repo, {"name": "bench"}, force=True)
+    lower(args.artifact, "triton", repo, {"name": "bench"}, force=True)
     opts = ServerOptions(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    out = {}
     with TritonServer(opts, log_path=Path(args.workdir) / "tritonserver.log") as server:
-        for name, adapter in (("triton-grpc", TritonGrpcAdapter(server.grpc_url, "bench")),
-                              ("triton-http", TritonHttpAdapter(server.http_url, "bench"))):
-            out[name] = summarize(asyncio.run(run_load(adapter, prompts, params, args.concurrency, args.warmup)))
-    return out
+        return {"Triton gRPC stream": bench_row(f"triton-grpc://{server.grpc_url}/bench", args),
+                "Triton HTTP generate_stream": bench_row(f"triton-http://{server.http_url}/bench", args)}
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("artifact", type=Path)
     p.add_argument("--requests", type=int, default=8)
@@ -112,35 +65,29 @@ def main() -> None:
     p.add_argument("--workdir", default="out/bench-triton")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads, here and in the server (OMP_NUM_THREADS); 1 avoids spin-wait collapse on a shared CPU")
-    p.add_argument("--json", type=Path, help="Also write the results here.")
-    args = p.parse_args()
+    p.add_argument("--no-triton", action="store_true", help="the in-process rows only")
+    p.add_argument("--json", type=Path, help="also write the result here")
+    args = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the server's stub processes
     import torch
 
     torch.set_num_threads(args.threads)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    prompts = make_prompts(args.artifact, args.requests, args.prompt_len)
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
-
-    console = Console(width=max(120, Console().width))
-    console.print("in-process engine …")
-    rows = {"in-process (before)": in_process(args.artifact, prompts, params, args)}
-    console.print("Triton (start, gRPC, HTTP) …")
-    rows.update(through_triton(args.artifact, prompts, params, args))
-    console.print("in-process engine again …")
-    rows["in-process (after)"] = in_process(args.artifact, prompts, params, args)
-    base = {k: statistics.mean([rows["in-process (before)"][k], rows["in-process (after)"][k]]) for k in ("ttft_p50_ms", "itl_p50_ms")}
-
-    table = Table(title=f"{args.artifact.name}: {args.requests} requests, concurrency {args.concurrency}, "
-                        f"{args.prompt_len} prompt / {args.output_len} output tokens")
-    for col in ("adapter", "TTFT mean ms", "TTFT p50 ms", "ITL mean ms", "ITL p50 ms", "TTFT p50 ×", "ITL p50 ×"):
-        table.add_column(col, justify="left" if col == "adapter" else "right")
-    for name, r in rows.items():
-        table.add_row(name, f"{r['ttft_mean_ms']:.1f}", f"{r['ttft_p50_ms']:.1f}", f"{r['itl_mean_ms']:.2f}", f"{r['itl_p50_ms']:.2f}",
-                      f"{r['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}", f"{r['itl_p50_ms'] / base['itl_p50_ms']:.2f}")
-    console.print(table)
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": rows}, indent=1))
+    rows = {"in-process engine (before)": bench_row(str(args.artifact), args)}
+    if not args.no_triton:
+        rows.update(through_triton(args))
+    rows["in-process engine (after)"] = bench_row(str(args.artifact), args)
+    base = {k: statistics.mean([rows["in-process engine (before)"][k], rows["in-process engine (after)"][k]])
+            for k in ("ttft_p50_ms", "itl_p50_ms")}
+    table = [{"adapter": name, **r, "ttft_p50_vs_in_process": r["ttft_p50_ms"] / base["ttft_p50_ms"],
+              "itl_p50_vs_in_process": r["itl_p50_ms"] / base["itl_p50_ms"]} for name, r in rows.items()]
+    print("| adapter | TTFT mean ms | TTFT p50 ms | ITL mean ms | ITL p50 ms | TTFT p50 × in-process | ITL p50 × in-process |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in table:
+        print(f"| {r['adapter']} | {r['ttft_mean_ms']:.0f} | {r['ttft_p50_ms']:.0f} | {r['itl_mean_ms']:.1f} | "
+              f"{r['itl_p50_ms']:.1f} | {r['ttft_p50_vs_in_process']:.2f} | {r['itl_p50_vs_in_process']:.2f} |")
+    return write_result(args.json, table, artifact=str(args.artifact), requests=args.requests,
+                        concurrency=args.concurrency, prompt_len=args.prompt_len, output_len=args.output_len)
 
 
 if __name__ == "__main__":

@@ -3,17 +3,18 @@ the first ``--windows`` 512-token windows of the corpus's evaluation region, sco
 log-probabilities (``backends/vllm/evaluate.py``), so that it compares with ``qcompile eval`` of
 the artifact. vLLM runs with ``--enforce-eager`` (no torch.compile warm-up).
 
-    python benchmarks/vllm_perplexity.py CHECKPOINT [--corpus pydoc] [--windows 16]
+    python benchmarks/vllm_perplexity.py CHECKPOINT [--corpus pydoc] [--windows 16] [--json FILE]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import write_result  # noqa: E402
 
 
 def vllm_perplexity(checkpoint: Path, corpus: str = "pydoc", windows: int = 16) -> dict:
@@ -34,14 +35,17 @@ def vllm_perplexity(checkpoint: Path, corpus: str = "pydoc", windows: int = 16) 
         return server_perplexity(server.url, server.model, scored)
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--corpus", default="pydoc")
     ap.add_argument("--windows", type=int, default=16)
-    args = ap.parse_args()
-    result = vllm_perplexity(args.checkpoint, args.corpus, args.windows)
-    print(json.dumps({"checkpoint": str(args.checkpoint), "corpus": args.corpus, **result}))
+    ap.add_argument("--json", type=Path, help="also write the result here")
+    args = ap.parse_args(argv)
+    row = {"checkpoint": str(args.checkpoint), "corpus": args.corpus, "windows": args.windows,
+           **vllm_perplexity(args.checkpoint, args.corpus, args.windows)}
+    print(f"vLLM's perplexity of {args.checkpoint} on {args.corpus}: {row['ppl']:.4f} ({row['tokens']} tokens)")
+    return write_result(args.json, [row])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Both drive the same non-streaming request (Triton's HTTP ``/generate``, one JSON
 concurrency for the same duration against one real Triton server; the request latency p50 and
 requests/s of the two must agree within 10%.
 
-    python benchmarks/wrk_crosscheck.py --concurrency 1,4 --duration 15 --output out/wrk_crosscheck.json
+    python benchmarks/wrk_crosscheck.py --concurrency 1,4 --duration 15 --json out/wrk_crosscheck.json
     python benchmarks/wrk_crosscheck.py --artifact out/example/float --output-len 4   # a real model
 
 Without ``--artifact`` it serves a tiny random Llama with a byte-level tokenizer (fast requests,
@@ -21,12 +21,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the tiny-model and byte-tokenizer helpers of the test suite
+
+from benchmarks.common import write_result  # noqa: E402
 
 MODEL = "crosscheck"
 TOLERANCE = 0.10
@@ -60,7 +61,7 @@ def start_server(artifact: Path, root: Path):
     from compiler.deploy.lowering import lower
 
     prepare_runtime()
-    repo = lower(artifact, "triton", root / "repo", {"name": MODEL})
+    repo = lower(artifact, "triton", root / "repo", {"name": MODEL}).path
     opts = ServerOptions(repo.parent, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     return TritonServer(opts, log_path=root / "server.log").start(timeout_s=300)
 
@@ -108,13 +109,19 @@ def run_wrk(url: str, body: str, concurrency: int, duration: float, workdir: Pat
     cmd = ["wrk", "-t1", f"-c{concurrency}", f"-d{int(round(duration))}s", "--timeout", "60s", "--latency", "-s", str(script),
            f"http://{url}/v2/models/{MODEL}/generate"]
     text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return {**parse_wrk(text), "command": " ".join(cmd), "output": text}
+
+
+def parse_wrk(text: str) -> dict:
+    """wrk --latency's report: its latency p50 (ms), Requests/sec and request count."""
     if "Non-2xx" in text or "Socket errors" in text:
         raise SystemExit(f"wrk saw failed requests:\n{text}")
     p50 = re.search(r"^\s*50%\s+([\d.]+)(us|ms|s|m)\s*$", text, re.M)
     rps = re.search(r"^Requests/sec:\s+([\d.]+)", text, re.M)
     total = re.search(r"(\d+) requests in", text)
-    return {"p50_ms": _ms(*p50.groups()), "requests_per_s": float(rps.group(1)), "requests": int(total.group(1)),
-            "command": " ".join(cmd), "output": text}
+    if not (p50 and rps and total):
+        raise SystemExit(f"wrk's report lacks its latency p50, Requests/sec or request count:\n{text}")
+    return {"p50_ms": _ms(*p50.groups()), "requests_per_s": float(rps.group(1)), "requests": int(total.group(1))}
 
 
 def measure(url: str, request, body: str, concurrency: int, args, root: Path) -> dict:
@@ -139,7 +146,7 @@ def measure(url: str, request, body: str, concurrency: int, args, root: Path) ->
     return row
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, help="artifact to serve (default: a tiny random Llama)")
     parser.add_argument("--concurrency", default="1,4")
@@ -147,8 +154,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of each tool per concurrency")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=4)
-    parser.add_argument("--output", type=Path, help="write the figures as JSON here")
-    args = parser.parse_args()
+    parser.add_argument("--json", "--output", type=Path, help="write the figures as JSON here")
+    args = parser.parse_args(argv)
     if shutil.which("wrk") is None:
         raise SystemExit("wrk not found; install it with 'apt-get install -y wrk'")
     from serving.adapters.triton_common import request_fields
@@ -164,11 +171,8 @@ def main() -> None:
             rows.append(measure(server.http_url, request, body, c, args, root))
     finally:
         server.stop()
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"artifact": str(args.artifact or "tiny random llama"), "body": json.loads(body),
-                                           "duration_s": args.duration, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                           "rows": rows}, indent=1))
+    write_result(args.json, rows, artifact=str(args.artifact or "tiny random llama"), body=json.loads(body),
+                 duration_s=args.duration)
     sys.exit(0 if all(r["within_10pct"] for r in rows) else 1)
 
 

@@ -1,6 +1,7 @@
 """Calibration and evaluation data: corpora, the split protocol, perplexity.
 
-The bottom layer: it imports nothing from the rest of qcompile.
+Below ``compiler/``: of the rest of qcompile it imports ``compiler.errors`` alone (its errors are
+``ConfigError``s, which the CLI prints as one line).
 """
 from calib.corpus import CorpusError, corpus_parts, load_corpus_text
 from calib.perplexity import perplexity

@@ -19,6 +19,8 @@ import inspect
 import json
 from pathlib import Path
 
+from compiler.errors import ConfigError
+
 BUILTIN_CORPORA = ("pydoc", "stdlib-docs")
 STDLIB_MODULES = ("argparse", "asyncio.events", "collections", "concurrent.futures", "contextlib", "csv", "dataclasses",
                   "datetime", "decimal", "email.message", "functools", "heapq", "http.client", "inspect", "itertools",
@@ -27,7 +29,7 @@ STDLIB_MODULES = ("argparse", "asyncio.events", "collections", "concurrent.futur
                   "urllib.parse", "uuid", "zipfile")
 
 
-class CorpusError(ValueError):
+class CorpusError(ConfigError):
     """A corpus spec that names nothing readable."""
 
 

@@ -1,4 +1,6 @@
-"""Typed errors. The CLI prints any ``QCompileError`` as one line and exits non-zero."""
+"""Typed errors: every error qcompile raises for a user to fix derives from ``QCompileError``, which
+the CLI prints as one line and exits with its ``exit_code``. This module imports nothing, so it sits
+below every layer (``calib/`` included) and each can raise these."""
 from __future__ import annotations
 
 
@@ -26,3 +28,12 @@ class PassError(QCompileError):
 
 class PipelineValidationError(ConfigError):
     """A pipeline that cannot run as declared: found before any pass runs."""
+
+
+class LoweringIncomplete(QCompileError):
+    """A lowering wrote its output but could not finish here (e.g. no ATC to build the .om);
+    ``lowered`` (a ``compiler.deploy.targets.LowerResult``) is what it wrote, for the caller to show."""
+
+    def __init__(self, message: str, lowered=None):
+        super().__init__(message)
+        self.lowered = lowered

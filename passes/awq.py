@@ -76,6 +76,7 @@ from compiler.pipeline.calibration import (
     collect_block,
 )
 from compiler.pipeline.memory import converted_weights
+from compiler.pipeline.selection import meta_model
 from compiler.progress import track
 from passes.awq_mappings import (
     NO_CLIP,
@@ -88,6 +89,7 @@ from passes.awq_mappings import (
 from passes.awq_grid import GgufGrid, Int8Grid, grid_of
 from passes.awq_plan import (
     AWQOptions,
+    AwqPlan,
     LayerPlan,
     awq_working_memory,
     compact_names,
@@ -117,34 +119,35 @@ class AWQPass(Pass):
     provides = frozenset({"int4_weights"})
     invalidates = frozenset({"float_weights"})
 
-    def check(self, config):
-        if config.architecture not in SMOOTHING:
-            raise ConfigError(f"awq has no scaling groups for {config.architecture}; supported: {', '.join(SMOOTHING)}")
-        plan_layers(config, self.options)
+    def check(self, model):
+        if (architecture := model.config.architecture) not in SMOOTHING:
+            raise ConfigError(f"awq has no scaling groups for {architecture}; supported: {', '.join(SMOOTHING)}")
 
-    def planned_formats(self, config):
-        plans, _ = plan_layers(config, self.options)
-        return {name: p.format(self.options.zero_point) for name, p in plans.items()}
+    def plan(self, model) -> AwqPlan:
+        layers, excluded = plan_layers(model, self.options)
+        formats = {name: p.format(self.options.zero_point) for name, p in layers.items()}
+        return AwqPlan(formats, layers, excluded)
 
-    def scope(self, config):
+    def scope(self, model):
         # q4_k_m's and average_bits' wider layers are chosen over the whole model after the last block, and the
         # KL of a layer alone needs the whole float model: not one block at a time
         return "model" if spends_bits(self.options) or self.options.sensitivity == "kl" else "block"
 
-    def working_memory(self, config, calibration, dtype_bytes, streamed):
+    def working_memory(self, model, calibration, dtype_bytes, streamed):
+        config = model.config
         terms = awq_working_memory(config, calibration, self.options, dtype_bytes)
         if streamed:
             return terms
         if self.options.format == "int4":  # 4-bit codes, and a scale and a zero point per group
-            terms["INT4 weights (every block)"] = converted_weights(config, 0.5 + (dtype_bytes + 1) / self.options.group_size)
+            terms["INT4 weights (every block)"] = converted_weights(model, 0.5 + (dtype_bytes + 1) / self.options.group_size)
         else:  # a byte per code and a float16 scale per 16-32 weights; q4_k_m also keeps each layer's Q6_K candidate
             candidates = 2 if self.options.format == "gguf:q4_k_m" else 1
-            terms["GGUF block codes (every block)"] = converted_weights(config, candidates * (1 + 2 / 16))
+            terms["GGUF block codes (every block)"] = converted_weights(model, candidates * (1 + 2 / 16))
         if self.options.average_bits is not None:
-            terms["INT8 candidates (every block)"] = converted_weights(config, 1)
+            terms["INT8 candidates (every block)"] = converted_weights(model, 1)
         if self.options.sensitivity == "kl":
             head = config.vocab_size * config.dim * (1 if config.tie_embeddings else 2)
-            terms["float copy of the model (sensitivity \"kl\")"] = converted_weights(config, dtype_bytes) + head * dtype_bytes
+            terms["float copy of the model (sensitivity \"kl\")"] = converted_weights(model, dtype_bytes) + head * dtype_bytes
         return terms
 
     def stream(self, model: torch.nn.Module, context: PassContext) -> "AwqStream":
@@ -215,7 +218,9 @@ class AwqStream(BlockStream):
     @torch.no_grad()
     def __init__(self, awq: AWQPass, model: torch.nn.Module, context: PassContext):
         self.model, self.opts, self.target = model, awq.options, context.target
-        self.plans, excluded = plan_layers(model.config, self.opts)
+        # The plan validate made; run outside a compile, the pass plans here, on the model's meta-device twin.
+        plan = context.plan_of(awq) or awq.plan(meta_model(model.config))
+        self.plans, excluded = plan.layers, plan.excluded
         self.weights = sum(p.in_features * p.out_features for p in self.plans.values())  # of the converted layers
         self.windows = context.calibration_windows()  # [S, T]
         self.report = PassReport(awq.name)

@@ -1,7 +1,8 @@
 """AWQ's options and the per-layer group-size plan (its scaling groups: ``awq_mappings.py``).
 
-Planning needs only the model config, so ``planned_formats`` and the target checks run
-before any calibration work.
+Planning needs only the model's module names and shapes (the model on the meta device), so the
+plan (``AwqPlan``, made once by the pipeline's validate) and the target checks come before any
+calibration work.
 """
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch.nn as nn
+
 from compiler.errors import ConfigError
 from compiler.formats.qlinear import linear_modules
 from compiler.model.config import ModelConfig
 from compiler.model.moe import router_names
+from compiler.pipeline import PassPlan
 from compiler.pipeline.memory import activation_terms, linear_inputs
-from compiler.pipeline.selection import excluded_by, meta_model
+from compiler.pipeline.selection import excluded_by
 from compiler.quant.gguf_blocks import BLOCK_TYPES, FALLBACK
 from compiler.quant.int4 import GROUP_SIZES, padded_width
 
@@ -161,11 +165,6 @@ class LayerPlan:
                 "padded_in_features": padded_width(self.in_features, self.group_size)}
 
 
-def float_linears(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """Every Linear of the model as name -> (in_features, out_features), built on the meta device."""
-    return {name: (m.in_features, m.out_features) for name, m in linear_modules(meta_model(config)).items()}
-
-
 def fallback_group(in_features: int, group_size: int) -> int | None:
     """The largest allowed group size below ``group_size`` that divides ``in_features``."""
     return next((g for g in sorted(GROUP_SIZES, reverse=True) if g < group_size and in_features % g == 0), None)
@@ -202,14 +201,23 @@ def _ranges(ix: list[int]) -> str:
     return ",".join(out)
 
 
-def plan_layers(config: ModelConfig, options: AWQOptions) -> tuple[dict[str, LayerPlan], dict[str, str]]:
-    """(plans of the linears to convert, {excluded linear: pattern}); raises on policy ``error``.
-    Routers are in neither: they are never converted."""
+@dataclass(frozen=True)
+class AwqPlan(PassPlan):
+    """The awq pass's plan: what ``plan_layers`` found, kept for the run."""
+
+    layers: dict[str, LayerPlan] = field(default_factory=dict)  # the linears to convert
+    excluded: dict[str, str] = field(default_factory=dict)  # {linear left in float: the pattern naming it}
+
+
+def plan_layers(model: nn.Module, options: AWQOptions) -> tuple[dict[str, LayerPlan], dict[str, str]]:
+    """(plans of the float linears of ``model`` (or its meta-device twin) to convert, {excluded
+    linear: pattern}); raises on policy ``error``. Routers are in neither: they are never converted."""
     plan_one = _gguf_plan if options.format in GGUF_FORMATS else _int4_plan
     plans, excluded = {}, {}
     offenders: dict[int, list[str]] = defaultdict(list)
-    routers = set(router_names(config))
-    for name, (k, n) in float_linears(config).items():
+    routers = set(router_names(model.config))
+    for name, linear in linear_modules(model).items():
+        k, n = linear.in_features, linear.out_features
         if name in routers:
             continue
         if (pattern := excluded_by(name, options.modules_to_not_convert)) is not None:

@@ -48,7 +48,6 @@ from compiler.formats.fp8 import Fp8Format, Fp8Linear
 from compiler.formats.kv_quant import KVObserver, install_kv_quant, kv_cache_entry
 from compiler.formats.qlinear import linear_modules
 from compiler.io.stream import trim_heap
-from compiler.model.config import ModelConfig
 from compiler.model.moe import every_token_to, router_names
 from compiler.model.transformer import Transformer
 from compiler.pipeline import (
@@ -56,6 +55,7 @@ from compiler.pipeline import (
     LayerDecision,
     Pass,
     PassContext,
+    PassPlan,
     PassReport,
     register_pass,
 )
@@ -67,7 +67,7 @@ from compiler.pipeline.calibration import (
     collect_model,
 )
 from compiler.pipeline.memory import activation_terms, converted_weights, linear_inputs
-from compiler.pipeline.selection import meta_model, select_linears
+from compiler.pipeline.selection import select_linears
 from compiler.progress import track
 from compiler.quant.fp8 import (
     FP8_DTYPES,
@@ -83,6 +83,9 @@ from passes.moe_calibration import expert_of, experts_of, starved_linears, starv
 # Calibration sequences per forward: the whole-model forward and the streamed block forwards
 # must chunk alike for their statistics to agree to the bit.
 CALIBRATION_BATCH = 4
+# What this pass provides with kv_cache_dtype = "float8_e4m3fn": K/V scales for an FP8 paged cache
+# (paged_kv's kv_dtype = "float8_e4m3fn" requires it).
+FP8_KV_CACHE = "fp8_kv_cache"
 
 
 @dataclass
@@ -163,7 +166,12 @@ class Fp8Pass(Pass):
 
     name = "fp8"
     Options = Fp8Options
-    provides = frozenset({"fp8_weights"})
+    provides = frozenset({"fp8_weights", FP8_KV_CACHE})
+
+    def __init__(self, options: Fp8Options):
+        super().__init__(options)
+        if options.kv_cache_dtype != "float8_e4m3fn":  # no scales an FP8 (E4M3) paged cache can store codes with
+            self.provides = type(self).provides - {FP8_KV_CACHE}
 
     def _select(self, model: nn.Module) -> tuple[list[str], dict[str, str]]:
         """(the Linears to convert, {excluded Linear: the pattern naming it})."""
@@ -173,16 +181,15 @@ class Fp8Pass(Pass):
         routers = set(router_names(model.config))
         return [n for n in selected if n not in routers], excluded
 
-    def planned_formats(self, config: ModelConfig) -> dict[str, dict]:
-        model = meta_model(config)
+    def plan(self, model: Transformer) -> PassPlan:
         linears = linear_modules(model)
-        return {n: self.options.format_for(linears[n]).to_dict() for n in self._select(model)[0]}
+        return PassPlan({n: self.options.format_for(linears[n]).to_dict() for n in self._select(model)[0]})
 
-    def check(self, config: ModelConfig) -> None:
+    def check(self, model: Transformer) -> None:
+        config = model.config
         if config.spec.attention == "mla" and self.options.kv_cache_dtype != "none":
             raise ConfigError(f"fp8 kv_cache_dtype is not supported for {config.architecture}: its cache holds MLA's "
                               "latent, which has no calibrated FP8 scales; use kv_cache_dtype = \"none\"")
-        model = meta_model(config)
         candidates = self._select(model)[0]
         outliers = self.options.outlier_channels
         for name in candidates if outliers else []:
@@ -198,15 +205,15 @@ class Fp8Pass(Pass):
                 raise ConfigError(f"activation_group_size {group} does not divide {name}'s {k} input features; "
                                   f"use one that divides every layer's (for {k}: {', '.join(map(str, divisors))})")
 
-    def scope(self, config: ModelConfig) -> str:
+    def scope(self, model: Transformer) -> str:
         # A block at a time when every Linear it converts lies in a decoder block (lm_head's
         # input is the whole model's output), and no expert's calibration depends on its routing
         # (a mixture of experts' starved-expert policy runs a forward of its own: whole model).
-        inside = all(n.startswith("layers.") for n in self._select(meta_model(config))[0])
-        return "block" if inside and not config.spec.is_moe else "model"
+        inside = all(n.startswith("layers.") for n in self._select(model)[0])
+        return "block" if inside and not model.config.spec.is_moe else "model"
 
-    def working_memory(self, config: ModelConfig, calibration, dtype_bytes: int, streamed: bool) -> dict[str, int]:
-        o = self.options
+    def working_memory(self, model: Transformer, calibration, dtype_bytes: int, streamed: bool) -> dict[str, int]:
+        o, config = self.options, model.config
         samples = o.calibration_samples or calibration.samples
         tokens, widths = samples * calibration.seq_len, linear_inputs(config)
         per_block = sum((k * k * 4 if o.weight_rounding == "gptq" else 0)
@@ -220,7 +227,7 @@ class Fp8Pass(Pass):
         forward = chunk * (3 * config.intermediate_size + 6 * config.dim + 2 * config.vocab_size) * 4
         return {"calibration statistics (every block)": config.n_layers * per_block,
                 "model forward (one batch)": forward + chunk * config.n_heads * calibration.seq_len * 4,
-                "FP8 weights (every block)": converted_weights(config, 1), **gptq}
+                "FP8 weights (every block)": converted_weights(model, 1), **gptq}
 
     def stream(self, model: Transformer, context: PassContext) -> "Fp8Stream":
         return Fp8Stream(self, model, context)

@@ -72,10 +72,10 @@ from compiler.formats.kv_quant import INT8, install_kv_quant, kv_cache_entry
 from compiler.formats.qlinear import linear_modules
 from compiler.model.config import ModelConfig
 from compiler.model.transformer import Transformer
-from compiler.pipeline import LayerDecision, Pass, PassContext, PassReport, register_pass
+from compiler.pipeline import LayerDecision, Pass, PassContext, PassPlan, PassReport, register_pass
 from compiler.pipeline.calibration import InputRequest, InputStatistics
 from compiler.pipeline.memory import converted_weights, linear_inputs
-from compiler.pipeline.selection import meta_model, select_linears
+from compiler.pipeline.selection import select_linears
 from compiler.progress import track
 from compiler.quant.int8 import asymmetric_qparams, dequantize_weight, quantize_weight, symmetric_scales, weight_scale
 from passes.awq_mappings import SMOOTHING, ScalingGroup, expand_columns, fold_scales, layer_groups
@@ -151,27 +151,27 @@ class Int8Pass(Pass):
     def _select(self, model: nn.Module) -> tuple[list[str], dict[str, str]]:
         return select_linears(model, self.options.modules_to_not_convert)
 
-    def planned_formats(self, config: ModelConfig) -> dict[str, dict]:
-        model = meta_model(config)
+    def plan(self, model: Transformer) -> PassPlan:
         linears = linear_modules(model)
-        return {n: self.options.format_for(linears[n]).to_dict() for n in self._select(model)[0]}
+        return PassPlan({n: self.options.format_for(linears[n]).to_dict() for n in self._select(model)[0]})
 
-    def check(self, config: ModelConfig) -> None:
+    def check(self, model: Transformer) -> None:
+        config = model.config
         if config.spec.is_moe or config.spec.attention == "mla" or config.architecture not in SMOOTHING:
             raise ConfigError(f"the int8 pass does not handle {config.architecture} (mixture of experts or latent "
                               "attention); compile it with the fp8 or awq pass")
 
-    def working_memory(self, config: ModelConfig, calibration, dtype_bytes: int, streamed: bool) -> dict[str, int]:
-        o = self.options
+    def working_memory(self, model: Transformer, calibration, dtype_bytes: int, streamed: bool) -> dict[str, int]:
+        o, config = self.options, model.config
         samples = o.calibration_samples or calibration.samples
         chunk = min(CALIBRATION_BATCH, samples) * calibration.seq_len
         forward = chunk * (3 * config.intermediate_size + 6 * config.dim + 2 * config.vocab_size) * 4
         per_block = sum(k * k * 4 + o.error_tokens * k * 4 + 2 * k * 4 for k in linear_inputs(config))
         memory = {"calibration statistics (every block)": config.n_layers * per_block,
                   "model forward (one batch)": forward + chunk * config.n_heads * calibration.seq_len * 4,
-                  "INT8 weights (every block)": converted_weights(config, 1)}
+                  "INT8 weights (every block)": converted_weights(model, 1)}
         if len(o.alphas) > 1:
-            memory["a copy of the model per smoothing strength tried"] = converted_weights(config, dtype_bytes)
+            memory["a copy of the model per smoothing strength tried"] = converted_weights(model, dtype_bytes)
         return memory
 
     def run(self, model: Transformer, context: PassContext) -> PassReport:

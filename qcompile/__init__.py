@@ -6,7 +6,7 @@
     model = qcompile.load("out/awq")              # artifact, HF dir, .gguf, or "smollm2"
     print(qcompile.evaluate(model)["ppl"])        # perplexity by the shared protocol
     print(qcompile.generate(model, "def fibonacci(n):", max_tokens=16))
-    qcompile.lower("out/awq", "onnx", "out/awq-onnx")
+    qcompile.lower("out/awq", "onnx", "out/awq-onnx").path   # what it wrote; .notes: what to know
 
 Every user error raises ``compiler.errors.QCompileError`` (its message says what to do). The
 command line (``qcompile``, ``python -m qcompile``) is built on these functions.
@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from compiler.deploy.targets import LowerResult
     from compiler.io.types import LoadedModel
     from compiler.pipeline import PipelineConfig
     from compiler.pipeline.compile import CompileResult
+    from serving.types import SamplingParams
 
 __all__ = ["load", "compile", "evaluate", "generate", "inspect", "lower", "pipeline_config"]
 
@@ -117,19 +119,23 @@ def evaluate(model: "str | Path | LoadedModel", corpus: str = "pydoc", windows: 
     return compare_to_reference(candidate, reference, corpus, windows, split, save, None if plot is None else Path(plot))
 
 
-def generate(model: "str | Path | LoadedModel", prompt: str, max_tokens: int = 64) -> str:
-    """The greedy completion of ``prompt`` (the reference decoder, contiguous KV cache); for
-    batched, sampled or streamed serving use ``serving.engine.Engine``."""
-    import torch
+def generate(model: "str | Path | LoadedModel", prompt: str, max_tokens: int = 64,
+             params: "SamplingParams | None" = None, **sampling) -> str:
+    """The completion of ``prompt`` by the reference decoder (the model as loaded, a contiguous KV
+    cache), greedy unless asked otherwise: ``params`` (``serving.types.SamplingParams``, which then
+    sets max_tokens too) or its fields as keywords (``temperature``, ``top_k``, ``top_p``, ``seed``,
+    ``stop``, ``ignore_eos``). Sampling, stop strings and EOS are the serving engine's; for batched
+    or streamed serving use ``serving.engine.Engine``."""
+    from serving.reference import complete
+    from serving.types import SamplingParams
 
+    params = SamplingParams.of(params, **sampling) if params else SamplingParams.of(max_tokens=max_tokens, **sampling)
     loaded = _loaded(model)
     if loaded.tokenizer is None:
         from compiler.errors import ConfigError
 
         raise ConfigError("generate needs a tokenizer, and this model ships none")
-    ids = torch.tensor([loaded.tokenizer(prompt)["input_ids"]])
-    out = loaded.model.generate(ids, max_tokens, loaded.model.config.eos_token_ids)
-    return loaded.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return complete(loaded.model, loaded.tokenizer, prompt, params)
 
 
 def inspect(artifact: str | Path) -> dict:
@@ -139,10 +145,11 @@ def inspect(artifact: str | Path) -> dict:
     return artifact_summary(artifact)
 
 
-def lower(artifact: str | Path, target: str, output: str | Path, force: bool = False, **options) -> Path:
+def lower(artifact: str | Path, target: str, output: str | Path, force: bool = False, **options) -> "LowerResult":
     """Lower ``artifact`` for ``target`` (``onnx``, ``triton``, ``vllm``, ``gguf``, ``ascend``) into
     ``output``; ``options`` are the target's own (e.g. ``max_len=512`` for onnx, ``soc="Ascend910B3"``
-    for ascend)."""
+    for ascend). Returns what it wrote (``.path``) and the target's ``.notes`` (what was rounded, what
+    was left out and why), which ``qcompile lower`` prints."""
     from compiler.deploy.lowering import lower as lower_artifact
 
     load_plugins()

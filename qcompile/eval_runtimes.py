@@ -80,7 +80,7 @@ class Candidate:
     def lower(self, target: str, out: str, **options) -> Path:
         from compiler.deploy.lowering import lower
 
-        return lower(self.artifact, target, self.workdir / out, options, force=True)
+        return lower(self.artifact, target, self.workdir / out, options, force=True).path
 
 
 def check_runtimes(names: list[str], reference: object = None, plot: object = None) -> list[str]:

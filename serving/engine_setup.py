@@ -1,5 +1,12 @@
-"""Build the paged KV cache an engine needs from the serving plan and the artifact's KV-cache entry,
-set how its INT4 layers compute (``set_int4_compute``), and report the kernels it runs (``kernel_report``).
+"""Model preparation: everything the engine does to a model before serving it, in one place
+(``prepare_model``), which says what it did in a ``LoadReport``.
+
+In order: move it to the device; fuse q/k/v and gate/up (``compiler/model/fusion.py``); pack the
+CPU's float32 weights (``compiler/kernels/dense_cpu.py``); put INT4 layers on the plan's compute
+(``set_int4_compute``); build the paged KV cache from the KV-cache plan (``plan_kv_cache``: the
+one the paged_kv pass recorded, or the same function's for a plan given here); drop the model's
+FP8 K/V rounding hook where an FP8 cache stores the same codes; report the kernels the forward
+runs (``kernel_report``).
 
 An FP8 artifact declares (written by the fp8 pass)::
 
@@ -13,23 +20,60 @@ is held in a model-dtype cache, its K/V rounded through int8 by the model's ``kv
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from compiler.deploy.serving_plan import KV_DTYPES, ServingPlan, bytes_per_block, resolve_kv_dtype
+from compiler.deploy.serving_plan import KV_DTYPES, KVCachePlan, ServingPlan, plan_kv_cache
 from compiler.errors import ArtifactError, ConfigError
 from compiler.formats.fp8 import Fp8Linear
 from compiler.formats.int4 import Int4Linear
 from compiler.formats.kv_quant import Int8KVQuant, parse_kv_scales
 from compiler.kernels import w4a8_cpu
 from compiler.kernels.cpu_ext import cpu_isa_in_use, cpu_kernels_status
+from compiler.kernels.dense_cpu import pack_linears
 from compiler.kernels.dispatch import fp8_kernel, int4_kernel, resolve_int4_compute
+from compiler.model.fusion import fuse_projections
 from serving.paged_cache import KVCacheSpec, PagedKVCache
 
 
-def build_kv_cache(model: torch.nn.Module, plan: ServingPlan, device: torch.device, kv_cache: dict | None) -> PagedKVCache:
+@dataclass
+class LoadReport:
+    """What ``prepare_model`` did to the model, step by step."""
+
+    fusion: dict  # {"fused": [attention / MLP modules], why-not: [modules]}; {} when the plan fuses nothing
+    packing: dict  # {"packed": [linear layers], "kernel": what they run}; {} off the CPU or when not asked
+    int4: dict  # ``set_int4_compute``'s report; {} for a model without INT4 layers
+    kv_cache: KVCachePlan  # the cache built: dtype, blocks, block size
+    kv_rounding_dropped: bool  # the FP8 K/V rounding hook removed (an FP8 cache stores the same codes)
+    kernels: dict  # ``kernel_report``: what the forward runs, layer kind by kind
+
+
+def prepare_model(model: torch.nn.Module, plan: ServingPlan, device: torch.device,
+                  kv_cache_entry: dict | None) -> tuple[PagedKVCache, LoadReport]:
+    """Make ``model`` (changed in place) ready for the engine on ``device``; its paged KV cache and
+    what was done. Fusion before packing and INT4 compute, so that the fused projections are the
+    layers packed."""
+    model.to(device).eval()
+    fusion = fuse_projections(model) if plan.fuse_projections else {}
+    packing = pack_linears(model) if plan.pack_cpu_weights and device.type == "cpu" else {}
+    int4 = set_int4_compute(model, plan.int4_compute, device)
+    model_dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    kv = plan_kv_cache(plan, model.config, model_dtype, kv_cache_entry)
+    cache = build_kv_cache(model, kv, device, kv_cache_entry)
+    dropped = cache.k_scales is not None  # an FP8 cache with the artifact's scales
+    if dropped:
+        drop_kv_rounding(model)
+    # Otherwise a KV-cache hook stays (an INT8 one always: no INT8 cache kernels): it rounds K/V
+    # before the model-dtype cache stores them, the values an INT8 cache would hold.
+    kernels = kernel_report(model, device, packing, decode_attention(cache), cache.spec.dtype)
+    return cache, LoadReport(fusion, packing, int4, kv, dropped, kernels)
+
+
+def build_kv_cache(model: torch.nn.Module, kv: KVCachePlan, device: torch.device, kv_cache: dict | None) -> PagedKVCache:
+    """The paged cache of plan ``kv``; an FP8 one with the artifact's K/V scales."""
     c = model.config
-    dtype = KV_DTYPES[resolve_kv_dtype(plan.kv_dtype, str(model.embed_tokens.weight.dtype).removeprefix("torch."),
-                                       kv_cache)]
+    dtype = KV_DTYPES[kv.kv_dtype]
     k_scales = v_scales = None
     heads, dim, values = c.kv_cache_layout
     if dtype == torch.float8_e4m3fn:
@@ -38,10 +82,22 @@ def build_kv_cache(model: torch.nn.Module, plan: ServingPlan, device: torch.devi
                                 "serve it with kv_dtype = \"auto\"")
         _, k, v = parse_kv_scales(kv_cache, c)
         k_scales, v_scales = list(k[:, :, None]), list(v[:, :, None])  # per layer [1 or Hkv, 1]: broadcasts over [Hkv, D]
-    num_blocks = plan.num_blocks or max(1, int(plan.kv_memory_mb * 2**20) // bytes_per_block(
-        plan.block_size, c.n_layers, heads, dim, dtype, values))
-    spec = KVCacheSpec(c.n_layers, num_blocks, plan.block_size, heads, dim, dtype, keys_only=not values)
+    spec = KVCacheSpec(c.n_layers, kv.num_blocks, kv.block_size, heads, dim, dtype, keys_only=not values)
     return PagedKVCache(spec, device, k_scales, v_scales, c.sliding_windows)
+
+
+def drop_kv_rounding(model: torch.nn.Module) -> None:
+    """Remove the FP8 K/V rounding hook (``Fp8KVQuant``) an FP8-KV artifact installs in each
+    attention layer: a paged cache in FP8 with the same scales stores the same codes without it
+    (rounding twice with one scale is rounding once), and it costs a dozen small ops per layer and step."""
+    for layer in model.layers:
+        layer.self_attn.kv_quant = None
+
+
+def decode_attention(cache: PagedKVCache) -> str:
+    """The decode-attention kernel ``cache`` runs ("triton", "cpu [ISA level]", or "torch" with why)."""
+    isa = f" [{cpu_isa_in_use()}]" if cache.decode_kernel == "cpu" else ""
+    return cache.decode_kernel + isa + (f" ({cache.decode_kernel_note})" if cache.decode_kernel_note else "")
 
 
 def set_int4_compute(model: torch.nn.Module, compute: str, device: torch.device) -> dict:

@@ -1,6 +1,5 @@
-"""A request's output text, detokenized incrementally — the one implementation the engine's requests
-(``serving/request.py``) and the adapters' token streams (``serving/adapters/_stream.py``) share, so
-every runtime streams the same text for the same tokens."""
+"""A request's output text, detokenized incrementally, for the one token loop (``serving/request.py``)
+that every runtime streams through: the same tokens give the same text everywhere."""
 from __future__ import annotations
 
 

@@ -1,19 +1,23 @@
-"""A request's state inside the engine; its output text and stop strings go through ``serving.output_text``."""
+"""The one token loop of every runtime: a request's state, fed one logits vector (or one sampled
+token) at a time: sample (``serving.sampling``), detokenize and cut at stop strings
+(``serving.output_text``), end at EOS or the token budget, and say so in the ``StreamEvent``.
+
+The engine drives many of them through its scheduler (``serving/engine.py``); the adapters drive
+theirs from their runtime's logits (``serving/adapters/_stream.py``: ONNX Runtime, Ascend, the
+reference decoder), so the same logits give the same stream everywhere.
+"""
 from __future__ import annotations
 
 import enum
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from compiler.errors import QCompileError
 from serving.output_text import OutputText
-from serving.types import SamplingParams, StreamEvent
-
-
-class RequestError(QCompileError):
-    """A request the engine cannot serve (empty, too long for the model or the cache, bad settings)."""
+from serving.sampling import sample_token
+from serving.types import RequestError, SamplingParams, StreamEvent  # noqa: F401  (RequestError: raised from here too)
 
 
 class RequestStatus(enum.Enum):
@@ -49,10 +53,13 @@ class GenerationResult:
 
 
 class Request:
-    """Prompt and output tokens, progress (``num_computed_tokens`` have KV cached), sampler and text state."""
+    """Prompt and output tokens, progress (``num_computed_tokens`` have KV cached, for the engine),
+    sampler and text state. ``seed``: the params' seed, else a random one."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids: list[int],
-                 tokenizer, device: torch.device, seed: int):
+                 tokenizer, device: torch.device = torch.device("cpu"), seed: int | None = None):
+        if seed is None:
+            seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -76,6 +83,23 @@ class Request:
     @property
     def max_total_tokens(self) -> int:
         return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def last_token(self) -> int:
+        """The last token sampled: what the next decode step feeds."""
+        return self.output_token_ids[-1]
+
+    def sample(self, logits) -> int:
+        """The next token from logits [V] (a tensor or a NumPy array), with this request's generator."""
+        return sample_token(torch.as_tensor(logits), self.params, self.generator)
+
+    def next(self, logits) -> StreamEvent:
+        """Sample the next token from ``logits`` and append it: the event to stream."""
+        return self.append_token(self.sample(logits))
 
     def append_token(self, token_id: int) -> StreamEvent:
         """Add a sampled token; return the event to stream (its text delta, and why it ended if it did)."""

@@ -23,11 +23,9 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from serving.types import RequestError, SamplingParams
+
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-
-class RequestError(ValueError):
-    """A request this model refuses; its message goes back to the client."""
 
 
 def _scalar(request, name: str, cast, default):
@@ -48,28 +46,30 @@ def _strings(request, name: str) -> tuple[str, ...]:
     return tuple(v.decode() if isinstance(v, bytes) else str(v) for v in tensor.as_numpy().reshape(-1))
 
 
-def parse_request(request, max_tokens_limit: int) -> tuple[dict, bool]:
-    """The engine's ``generate_stream`` keyword arguments and the ``stream`` flag of one request."""
+def parse_request(request, max_tokens_limit: int) -> tuple[dict, SamplingParams, bool]:
+    """One request's prompt (``generate_stream``'s ``prompt`` or ``prompt_token_ids``), its sampling
+    parameters and its ``stream`` flag."""
     text = _scalar(request, "text_input", str, None)
     ids_tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
     if (text is None) == (ids_tensor is None):
         raise RequestError("give exactly one of 'text_input' (a string) or 'input_ids' (INT32 token ids)")
-    kwargs = {
-        "max_tokens": _scalar(request, "max_tokens", int, 16),
-        "temperature": _scalar(request, "temperature", float, 0.0),
-        "top_k": _scalar(request, "top_k", int, 0),
-        "top_p": _scalar(request, "top_p", float, 1.0),
-        "seed": _scalar(request, "seed", int, None),
-        "stop": _strings(request, "stop"),
-        "ignore_eos": _scalar(request, "ignore_eos", bool, False),
-    }
-    if not 1 <= kwargs["max_tokens"] <= max_tokens_limit:
-        raise RequestError(f"max_tokens must be in [1, {max_tokens_limit}], got {kwargs['max_tokens']}")
+    max_tokens = _scalar(request, "max_tokens", int, 16)
+    if not 1 <= max_tokens <= max_tokens_limit:
+        raise RequestError(f"max_tokens must be in [1, {max_tokens_limit}], got {max_tokens}")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_scalar(request, "temperature", float, 0.0),
+        top_k=_scalar(request, "top_k", int, 0),
+        top_p=_scalar(request, "top_p", float, 1.0),
+        seed=_scalar(request, "seed", int, None),
+        stop=_strings(request, "stop"),
+        ignore_eos=_scalar(request, "ignore_eos", bool, False),
+    )
     if text is not None:
-        kwargs["prompt"] = text
+        prompt = {"prompt": text}
     else:
-        kwargs["prompt_token_ids"] = [int(i) for i in ids_tensor.as_numpy().reshape(-1)]
-    return kwargs, _scalar(request, "stream", bool, True)
+        prompt = {"prompt_token_ids": [int(i) for i in ids_tensor.as_numpy().reshape(-1)]}
+    return prompt, params, _scalar(request, "stream", bool, True)
 
 
 def _response(text: str, token_ids: list[int], finish_reason: str | None) -> "pb_utils.InferenceResponse":
@@ -133,18 +133,18 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                kwargs, stream = parse_request(request, self.max_tokens_limit)
+                prompt, params, stream = parse_request(request, self.max_tokens_limit)
             except (RequestError, ValueError, UnicodeDecodeError) as e:
                 _send(sender, _error(str(e)))
                 continue
-            asyncio.run_coroutine_threadsafe(self._serve(request, sender, kwargs, stream), self.loop)
+            asyncio.run_coroutine_threadsafe(self._serve(request, sender, prompt, params, stream), self.loop)
         return None
 
-    async def _serve(self, request, sender, kwargs: dict, stream: bool) -> None:
+    async def _serve(self, request, sender, prompt: dict, params: SamplingParams, stream: bool) -> None:
         texts, token_ids = [], []
         events = None
         try:
-            events = self.engine.generate_stream(**kwargs)
+            events = self.engine.generate_stream(**prompt, params=params)
             async for event in events:
                 if request.is_cancelled():
                     pb_utils.Logger.log_info(f"qcompile: request {request.request_id()!r} cancelled by the client; aborting it in the engine")

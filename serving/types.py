@@ -7,15 +7,23 @@ suite drives every target through it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import AsyncIterator, Protocol
+
+from compiler.errors import QCompileError
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+class RequestError(QCompileError):
+    """A request the engine cannot serve (empty, too long for the model or the cache, bad settings)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request generation settings; ``temperature == 0`` means greedy."""
+    """Per-request generation settings, the same for every entry point (the engine's
+    ``generate_stream(**kwargs)``, the adapters, ``qcompile generate``, Triton's model,
+    ``qcompile.generate``); ``temperature == 0`` means greedy. ``stop``: one string or several."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -26,14 +34,27 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()))
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @classmethod
+    def of(cls, params: "SamplingParams | None" = None, **settings) -> "SamplingParams":
+        """``params``, or one built from keyword settings (``max_tokens=32, stop="\\n"``), never both."""
+        if params is not None and settings:
+            raise RequestError(f"give params or sampling settings ({', '.join(settings)}), not both")
+        if params is not None:
+            return params
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(settings) - known):
+            raise RequestError(f"unknown sampling setting {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        return cls(**settings)
 
 
 @dataclass

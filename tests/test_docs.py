@@ -176,11 +176,15 @@ def test_section_is_a_reference_with_its_json(title):
     assert json.loads(stored.read_text()) == data, f"{stored} differs from BENCHMARKS.md: run python tests/test_docs.py"
 
 
-def test_every_data_file_belongs_to_a_section():
+def test_every_data_file_belongs_to_a_section_or_a_note():
+    """Each file of docs/data/ is named by a section's Data bullet, or linked from a dated note (a run's
+    raw results, a secondary table's data)."""
     named = {repo_path(m.group(2)) for lines in measured_sections().values()
              for m in LINK.finditer(bullets(lines).get("Data", ""))}
+    named |= {repo_path(m.group(2), note.parent) for note in (DOCS / "notes").glob("*.md")
+              for m in LINK.finditer(note.read_text())}
     stored = {str(p.relative_to(ROOT)) for p in (DOCS / "data").glob("*.json")}
-    assert stored <= named, f"data files no section names: {sorted(stored - named)}"
+    assert stored <= named, f"data files no section or note names: {sorted(stored - named)}"
 
 
 @pytest.mark.parametrize("doc", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))

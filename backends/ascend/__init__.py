@@ -1,10 +1,8 @@
 """Ascend lowering through ATC (``.om``) and msModelSlim's AscendV1 layout for vllm-ascend; the ``ascend`` target."""
 from dataclasses import dataclass
 
-from compiler.deploy.lowering import register_lowering
-from compiler.deploy.targets import TargetSpec, register_target
+from compiler.deploy.targets import Target, register_target
 from compiler.options import option
-
 
 
 def check_module(module: str, fmt: dict) -> str | None:
@@ -22,10 +20,6 @@ def check_plan(plan) -> str | None:
     from compiler.deploy.targets import planned_kv_cache
 
     return c8_refusal(planned_kv_cache(plan), plan.config.head_dim if plan.config is not None else None)
-
-
-register_target(TargetSpec("ascend", "Huawei Ascend via ATC .om (fp16), and a vllm-ascend (msModelSlim AscendV1) "
-                                     "directory for INT8 / float artifacts", check_module, check_plan))
 
 
 @dataclass(frozen=True)
@@ -50,7 +44,9 @@ def _lower(artifact, out, opts: AscendLowerOptions, force: bool):
     loaded, max_len = load_for_target(artifact, "ascend", opts.max_len)
     buckets = tuple(opts.buckets) if opts.buckets else tuple(b for b in DEFAULT_BUCKETS if b <= max_len)
     atc_opts = AtcOptions(opts.soc, buckets, opts.precision_mode, opts.precision_mode_v2)
-    return lower_ascend(loaded, out, atc_opts, max_len, opts.atc, force).bundle
+    return lower_ascend(loaded, out, atc_opts, max_len, opts.atc, force)
 
 
-register_lowering("ascend", _lower, AscendLowerOptions)
+register_target(Target("ascend", "Huawei Ascend via ATC .om (fp16), and a vllm-ascend (msModelSlim AscendV1) directory "
+                                 "for INT8 / float artifacts",
+                       check_module, _lower, AscendLowerOptions, check_plan))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import onnx
 
-from compiler.errors import ConfigError, QCompileError
+from compiler.errors import ConfigError, LoweringIncomplete, QCompileError
 
 SOC_VERSIONS = ("Ascend910B1", "Ascend910B2", "Ascend910B3", "Ascend910B4", "Ascend310P3")
 DEFAULT_BUCKETS = (128, 256, 512)
@@ -29,7 +29,7 @@ OM_DIR = "om"
 GRAPHS = ("prefill", "decode")
 
 
-class AtcNotFound(QCompileError):
+class AtcNotFound(LoweringIncomplete):
     """The bundle is written but no ``atc`` is here to build the .om: finish on a CANN host."""
 
     exit_code = 3

@@ -40,10 +40,12 @@ from backends.onnx.export import (
     OnnxExportOptions,
     bundle_info,
     export_graphs,
+    layer_counts,
     lowered_entries,
     write_bundle_files,
 )
 from backends.onnx.kv_rounding import kv_cache_export
+from compiler.deploy.targets import LowerResult
 from compiler.errors import ConfigError
 from compiler.formats.kv_quant import Fp8KVQuant
 from compiler.formats.qlinear import quantized_modules
@@ -53,19 +55,17 @@ from compiler.quant.fp8 import FP8_DTYPES
 
 
 @dataclass
-class AscendLowerResult:
-    """What was written; ``om_files`` is empty when ATC did not run; ``vllm_ascend`` is the AscendV1
-    directory, None when the artifact has no AscendV1 form (the notes say why)."""
+class AscendLowerResult(LowerResult):
+    """What was written (``path``: the bundle); ``om_files`` is empty when ATC did not run; ``vllm_ascend``
+    is the AscendV1 directory, None when the artifact has no AscendV1 form (the notes say why)."""
 
-    bundle: Path
-    notes: list[str] = field(default_factory=list)
     om_files: list[Path] = field(default_factory=list)
     vllm_ascend: Path | None = None
 
 
 def refuse_fp8_kv_cache(loaded: LoadedModel) -> None:
     """The .om keeps K/V in fp16: an artifact whose K/V are rounded through FP8 cannot be lowered as it is."""
-    declared = ((loaded.manifest or {}).get("kv_cache") or {}).get("dtype")
+    declared = ((loaded.manifest and loaded.manifest.kv_cache) or {}).get("dtype")
     if isinstance(loaded.model.layers[0].self_attn.kv_quant, Fp8KVQuant) or declared in FP8_DTYPES:
         raise ConfigError(f"{loaded.source.path}: the artifact has an FP8 KV cache, which the Ascend lowering does not "
                           "lower (ATC builds the graphs at fp16 precision, so FP8 rounding of K/V would not be exact); "
@@ -74,7 +74,7 @@ def refuse_fp8_kv_cache(loaded: LoadedModel) -> None:
 
 def lower_ascend(loaded: LoadedModel, out: str | Path, atc_opts: AtcOptions, max_len: int = 1024,
                  atc: str | None = None, force: bool = False) -> AscendLowerResult:
-    """Lower ``loaded`` for Ascend; raises AtcNotFound (after writing the bundle) without ATC."""
+    """Lower ``loaded`` for Ascend; raises AtcNotFound (after writing the bundle, which it carries) without ATC."""
     out = Path(out)
     refuse_fp8_kv_cache(loaded)
     lowered_entries(loaded, "ascend", {"float16"})
@@ -105,6 +105,7 @@ def lower_ascend(loaded: LoadedModel, out: str | Path, atc_opts: AtcOptions, max
         result.notes += v1.notes
     extras = {"soc": atc_opts.soc, "buckets": list(atc_opts.buckets), "atc": asdict(atc_opts), "notes": result.notes}
     info = bundle_info(loaded, export, "ascend", extras)
+    result.layers = layer_counts(info)
 
     def write(tmp: Path) -> None:
         write_bundle_files(tmp, loaded, (prefill, decode), info)
@@ -116,6 +117,6 @@ def lower_ascend(loaded: LoadedModel, out: str | Path, atc_opts: AtcOptions, max
     atomic_directory_write(out, write, force)
     if atc_path is None:
         raise AtcNotFound(f"wrote the Ascend bundle {out} but found no atc (CANN) here; on a CANN host run "
-                          f"'bash {out / SCRIPT}', or rerun with --atc PATH")
+                          f"'bash {out / SCRIPT}', or rerun with --atc PATH", result)
     result.om_files = run_atc(out, atc_path, graphs)
     return result

@@ -158,7 +158,7 @@ def ascend_v1_skip(loaded: LoadedModel) -> str | None:
 def check_ascend_v1(loaded: LoadedModel) -> None:
     """ConfigError (one line) for an INT8 artifact the AscendV1 layout cannot hold exactly as declared."""
     where = loaded.source.path
-    if why := c8_refusal((loaded.manifest or {}).get("kv_cache"), loaded.model.config.head_dim):
+    if why := c8_refusal(loaded.manifest and loaded.manifest.kv_cache, loaded.model.config.head_dim):
         raise ConfigError(f"{where}: {why}")
     int8 = {n: m for n, m in quantized_modules(loaded.model).items() if isinstance(m, Int8Linear)}
     if not int8:

@@ -35,11 +35,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from compiler.deploy.targets import LowerResult
 from compiler.errors import ArtifactError, ConfigError
 from compiler.formats.gguf_block import GgufLinear
 from compiler.formats.int4 import Int4Linear
 from compiler.formats.int8 import Int8Linear
-from compiler.io.artifact import check_lowered_entries, load_artifact, manifest_sha256, read_manifest
+from compiler.io.artifact import ArtifactRecord, check_lowered_entries, load_artifact, read_manifest
 from compiler.io.atomic import atomic_file_write
 from compiler.model.architectures import FULL, SLIDING
 from compiler.model.config import ModelConfig
@@ -52,7 +53,7 @@ GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Mixtra
              "Gemma3ForCausalLM": "gemma3"}
 FLOAT_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
 NOTES_KEY = "qcompile.notes"
-# The manifest entries beyond compiler.io.artifact.CORE_KEYS this lowering reads: the serving plan
+# The manifest entries passes declared (ArtifactRecord.extras) this lowering reads: the serving plan
 # (engine settings; llama.cpp takes its own), checked for what changes the numbers.
 LOWERED_ENTRIES = frozenset({"serving"})
 
@@ -120,17 +121,15 @@ def check_config(config: ModelConfig) -> str | None:
     return None
 
 
-def check_artifact(manifest: dict, where: str) -> None:
+def check_artifact(record: ArtifactRecord, where: str) -> None:
     """Raise ConfigError, before any work, for anything in the artifact a GGUF file cannot hold exactly
     (a KV cache with scales says so before the generic refusal of an entry the lowering does not take)."""
     from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
 
-    modules = manifest.get("modules", {})
-    check_formats("gguf", modules, where)
-    config = ModelConfig.from_dict(manifest["model_config"])
-    check_plan("gguf", DeploymentPlan(manifest["dtype"], modules, kv_cache=manifest.get("kv_cache"), config=config,
-                                      serving=manifest.get("serving")), where)
-    check_lowered_entries(manifest, "gguf", LOWERED_ENTRIES, where)
+    check_formats("gguf", record.modules, where)
+    check_plan("gguf", DeploymentPlan(record.dtype_name, record.modules, kv_cache=record.kv_cache, config=record.config,
+                                      serving=record.serving), where)
+    check_lowered_entries(record, "gguf", LOWERED_ENTRIES, where)
 
 
 def check_plan(plan) -> str | None:
@@ -326,14 +325,14 @@ def write_metadata(w, config: ModelConfig) -> None:
         w.add_sliding_window(config.sliding_window)
 
 
-def write_tokenizer(w, manifest: dict, tokenizer, vocab_size: int) -> str:
+def write_tokenizer(w, record: ArtifactRecord, tokenizer, vocab_size: int) -> str:
     """The tokenizer's metadata; returns where it came from."""
-    source = manifest.get("source", {})
-    if source.get("kind") == "gguf" and Path(source.get("path", "")).is_file():
+    source = record.source
+    if source.kind == "gguf" and Path(source.path).is_file():
         from compiler.io.types import sha256_files
 
-        path = Path(source["path"])
-        if sha256_files([path]) == source.get("sha256"):
+        path = Path(source.path)
+        if sha256_files([path]) == source.sha256:
             _copy_tokenizer(w, path)
             return f"the tokenizer: the source GGUF's own ({path.name})"
     if tokenizer is None:
@@ -418,27 +417,28 @@ def _byte_level_bpe(w, tokenizer, vocab_size: int) -> list[str]:
 
 
 # ---- the file ------------------------------------------------------------------------------
-def export_gguf(artifact: Path, out: Path, opts: GgufLowerOptions, force: bool) -> Path:
+def export_gguf(artifact: Path, out: Path, opts: GgufLowerOptions, force: bool) -> LowerResult:
+    """Write ``artifact`` as the GGUF file ``out`` (atomically); its notes are in the file too (``file_notes``)."""
     import gguf
 
     if out.exists() and not force:
         raise ArtifactError(f"{out} already exists; choose another -o or pass --force to replace it")
-    manifest = read_manifest(artifact)
-    check_artifact(manifest, str(artifact))
+    record = read_manifest(artifact)
+    check_artifact(record, str(artifact))
     loaded = load_artifact(artifact)
     config = loaded.model.config
     float_type = FLOAT_TYPES[opts.float_type] if opts.float_type != "auto" else {
-        "float32": "F32", "float16": "F16", "bfloat16": "BF16"}[manifest["dtype"]]
+        "float32": "F32", "float16": "F16", "bfloat16": "BF16"}[record.dtype_name]
     notes: list[str] = []
     tensors = list(model_tensors(loaded.model, config, float_type, notes, opts.embedding_type))
 
     def write(tmp: Path) -> None:
         w = gguf.GGUFWriter(str(tmp), GGUF_ARCH[config.architecture])
-        w.add_name(Path(manifest["source"].get("path", artifact.name)).stem)
+        w.add_name(Path(record.source.path or artifact.name).stem)
         write_metadata(w, config)
-        notes.append(write_tokenizer(w, manifest, loaded.tokenizer, config.vocab_size))
+        notes.append(write_tokenizer(w, record, loaded.tokenizer, config.vocab_size))
         w.add_array(NOTES_KEY, notes)
-        w.add_string("qcompile.artifact_manifest_sha256", manifest_sha256(manifest))
+        w.add_string("qcompile.artifact_manifest_sha256", record.sha256)
         for name, stored in tensors:
             qtype = gguf.GGMLQuantizationType[stored.qtype]
             if stored.qtype == "F32" or stored.qtype == "F16":
@@ -451,7 +451,7 @@ def export_gguf(artifact: Path, out: Path, opts: GgufLowerOptions, force: bool) 
         w.close()
 
     atomic_file_write(out, write, force)
-    return out
+    return LowerResult(out, notes)
 
 
 def file_notes(path: Path) -> list[str]:

@@ -1,8 +1,7 @@
 """ONNX export (prefill + decode graphs, KV cache as explicit I/O) and the ``onnx`` target."""
 from dataclasses import dataclass
 
-from compiler.deploy.lowering import register_lowering
-from compiler.deploy.targets import TargetSpec, register_target
+from compiler.deploy.targets import LowerResult, Target, register_target
 from compiler.options import option
 
 # MatMulNBits takes any power-of-two block size >= 16; our INT4 format uses 32..256.
@@ -13,9 +12,6 @@ def _check(module: str, fmt: dict) -> str | None:
     if fmt.get("format") == "int4" and fmt.get("group_size") not in MATMULNBITS_BLOCK_SIZES:
         return f"int4 group size {fmt.get('group_size')} is not a MatMulNBits block size {MATMULNBITS_BLOCK_SIZES}"
     return None  # float layers export as float; other quantized formats as their dequantized weight
-
-
-register_target(TargetSpec("onnx", "ONNX Runtime (INT4 as com.microsoft MatMulNBits, others float)", _check))
 
 
 @dataclass(frozen=True)
@@ -39,8 +35,8 @@ class OnnxLowerOptions:
                              f"4 int8), got {self.accuracy_level}")
 
 
-def _lower(artifact, out, opts: OnnxLowerOptions, force: bool):
-    from backends.onnx.export import OnnxExportOptions, default_dtype, export_onnx
+def _lower(artifact, out, opts: OnnxLowerOptions, force: bool) -> LowerResult:
+    from backends.onnx.export import OnnxExportOptions, default_dtype, export_onnx, layer_counts
     from backends.onnx.graph import DEFAULT_ACCURACY_LEVEL
     from compiler.deploy.lowering import load_for_target
 
@@ -48,8 +44,8 @@ def _lower(artifact, out, opts: OnnxLowerOptions, force: bool):
     level = DEFAULT_ACCURACY_LEVEL if opts.accuracy_level is None else opts.accuracy_level
     export = OnnxExportOptions(max_len=max_len, dtype=default_dtype(loaded.model), accuracy_level=level,
                                fused_rotary=opts.fused_rotary, fused_attention=opts.fused_attention)
-    export_onnx(loaded, out, export, force)
-    return out
+    return LowerResult(out, layers=layer_counts(export_onnx(loaded, out, export, force)))
 
 
-register_lowering("onnx", _lower, OnnxLowerOptions)
+register_target(Target("onnx", "ONNX Runtime (INT4 as com.microsoft MatMulNBits, others float)", _check, _lower,
+                       OnnxLowerOptions))

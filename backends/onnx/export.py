@@ -11,6 +11,7 @@ round K/V to and the bundle cannot hold is refused; anything else is refused.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ EXTERNAL_THRESHOLD = 1024  # bytes: tensors above this go to weights.data
 # so it is refused here.
 LOWERABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
-# The manifest entries (beyond the artifact's own, compiler.io.artifact.CORE_KEYS) an ONNX bundle lowers.
+# The manifest entries passes declared (compiler.io.artifact.ArtifactRecord.extras) an ONNX bundle lowers.
 LOWERED_ENTRIES = frozenset({"kv_cache", "serving"})
 
 
@@ -95,14 +96,14 @@ def lowered_entries(loaded: LoadedModel, target: str, cache_dtypes: set[str]) ->
     """Refuse, before anything is written, a manifest entry the bundle would not honour: one this
     lowering does not know, or a serving plan whose KV dtype is none of ``cache_dtypes`` (what the
     bundle's cache holds) nor the FP8 cache the graphs round K/V through."""
-    manifest = loaded.manifest
-    if manifest is None:  # a checkpoint, not an artifact: nothing was declared
+    record = loaded.manifest
+    if record is None:  # a checkpoint, not an artifact: nothing was declared
         return
     where = loaded.source.path
-    check_lowered_entries(manifest, target, LOWERED_ENTRIES, where)
-    kv_dtype = (manifest.get("serving") or {}).get("kv_dtype", "auto")
-    fp8 = (manifest.get("kv_cache") or {}).get("dtype")
-    if kv_dtype not in cache_dtypes | {"auto", manifest.get("dtype"), fp8} - {None}:
+    check_lowered_entries(record, target, LOWERED_ENTRIES, where)
+    kv_dtype = (record.serving or {}).get("kv_dtype", "auto")
+    fp8 = (record.kv_cache or {}).get("dtype")
+    if kv_dtype not in cache_dtypes | {"auto", record.dtype_name, fp8} - {None}:
         raise ConfigError(f"{where}: its serving plan stores K/V as {kv_dtype}, which the {target} bundle's cache "
                           f"does not ({', '.join(sorted(cache_dtypes))}); serve it with the engine or Triton, "
                           "or compile with kv_dtype = \"auto\"")
@@ -146,6 +147,11 @@ def bundle_info(loaded: LoadedModel, opts: OnnxExportOptions, target: str, extra
                           eos_token_ids=c.eos_token_ids, tokenizer=loaded.tokenizer is not None,
                           layers=layer_exports(loaded.model, opts.dequantize, opts.accuracy_level), extras=extras or {},
                           attention="gqa" if opts.fused_attention and not opts.dequantize else "standard")
+
+
+def layer_counts(info: OnnxBundleInfo) -> dict[str, int]:
+    """How many layers the bundle exports each way (the table ``qcompile lower`` shows)."""
+    return dict(Counter(info.layers.values()))
 
 
 def write_bundle_files(directory: Path, loaded: LoadedModel, graphs, info: OnnxBundleInfo) -> None:

@@ -10,8 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from backends.triton.lower import LowerOptions
-from compiler.deploy.lowering import register_lowering
-from compiler.deploy.targets import TargetSpec, register_target
+from compiler.deploy.targets import LowerResult, Target, register_target
 from compiler.quant.int4 import GROUP_SIZES
 
 # Weight format -> allowed group sizes (None: the format has no groups).
@@ -33,12 +32,11 @@ def check_module(module: str, fmt: dict) -> str | None:
     return None
 
 
-def _lower(artifact: Path, out: Path, opts: LowerOptions, force: bool) -> Path:
+def _lower(artifact: Path, out: Path, opts: LowerOptions, force: bool) -> LowerResult:
     from backends.triton.lower import lower_triton
 
-    return lower_triton(artifact, out, opts, force)
+    return LowerResult(lower_triton(artifact, out, opts, force))
 
 
-register_target(TargetSpec("triton", "Triton Inference Server, Python backend running the qcompile engine (CPU or CUDA)",
-                           check_module))
-register_lowering("triton", _lower, LowerOptions)
+register_target(Target("triton", "Triton Inference Server, Python backend running the qcompile engine (CPU or CUDA)",
+                       check_module, _lower, LowerOptions))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from compiler.deploy.targets import check_formats
 from compiler.errors import ConfigError
-from compiler.io.artifact import check_lowered_entries, read_manifest
+from compiler.io.artifact import ArtifactRecord, check_lowered_entries, read_manifest
 from compiler.io.atomic import atomic_directory_write
 from compiler.options import option
 
@@ -64,7 +64,7 @@ OUTPUTS = [
     ("token_ids", "TYPE_INT32", [-1]),
     ("finish_reason", "TYPE_STRING", [-1]),
 ]
-# The manifest entries (beyond compiler.io.artifact.CORE_KEYS) the served engine reads and runs as
+# The manifest entries passes declared (ArtifactRecord.extras) the served engine reads and runs as
 # declared: the KV cache (FP8: its paged cache stores FP8 with these scales; INT8: the model's
 # rounding before a model-dtype cache) and the serving plan.
 LOWERED_ENTRIES = frozenset({"kv_cache", "serving"})
@@ -107,10 +107,10 @@ class LowerOptions:
             raise ValueError(f"instances must be >= 1, got {self.instances}")
 
 
-def precision_and_kernels(manifest: dict, device: str) -> tuple[str, list[str]]:
+def precision_and_kernels(record: ArtifactRecord, device: str) -> tuple[str, list[str]]:
     """What the repository expects to run: the artifact's precision and, per device, the kernels."""
-    formats = sorted({m["format"] for m in manifest.get("modules", {}).values()})
-    precision = "+".join([manifest.get("dtype", "float32"), *formats])
+    formats = sorted({m["format"] for m in record.modules.values()})
+    precision = "+".join([record.dtype_name, *formats])
     if device != "cuda":
         return precision, ["torch"]  # the engine's torch reference paths (torch_npu kernels on Ascend)
     kernels = [CUDA_KERNELS.get(f.split("_")[0], f"{f}_gemm") for f in formats]
@@ -124,10 +124,10 @@ def _tensor_block(kind: str, name: str, dtype: str, dims: list[int], optional: b
     return "  {\n" + "\n".join(lines) + "\n  }"
 
 
-def config_pbtxt(name: str, opts: LowerOptions, manifest: dict, artifact_param: str) -> str:
+def config_pbtxt(name: str, opts: LowerOptions, record: ArtifactRecord, artifact_param: str) -> str:
     """The model configuration (protobuf text) for ``name``."""
-    precision, kernels = precision_and_kernels(manifest, opts.device)
-    max_ctx = manifest["model_config"]["max_seq_len"]
+    precision, kernels = precision_and_kernels(record, opts.device)
+    max_ctx = record.config.max_seq_len
     params = {
         "artifact": artifact_param,
         "device": opts.device,
@@ -174,10 +174,10 @@ def lower_triton(artifact: str | Path, out: str | Path, opts: LowerOptions = Low
         from backends.triton.vllm_repo import lower_triton_vllm
 
         return lower_triton_vllm(artifact, out, name, opts.repository_root or DEFAULT_REPOSITORY_ROOT, force)
-    manifest = read_manifest(artifact)
-    check_formats("triton", manifest.get("modules", {}), str(artifact))
-    check_lowered_entries(manifest, "triton", LOWERED_ENTRIES, str(artifact))
-    if opts.device != "cpu" and (manifest.get("serving") or {}).get("int4_compute") == "w4a8":
+    record = read_manifest(artifact)
+    check_formats("triton", record.modules, str(artifact))
+    check_lowered_entries(record, "triton", LOWERED_ENTRIES, str(artifact))
+    if opts.device != "cpu" and (record.serving or {}).get("int4_compute") == "w4a8":
         raise ConfigError(f"{artifact}: its serving plan runs INT4 on int8 activations (int4_compute \"w4a8\"), a CPU "
                           f"kernel the engine has no {opts.device} form of; lower it with --device cpu, or compile with "
                           "int4_compute = \"w4a16\"")
@@ -187,7 +187,7 @@ def lower_triton(artifact: str | Path, out: str | Path, opts: LowerOptions = Low
         version.mkdir()
         shutil.copytree(artifact, version / "artifact", copy_function=_link_or_copy)
         (version / "model.py").write_text(MODEL_ENTRY)
-        (tmp / "config.pbtxt").write_text(config_pbtxt(name, opts, manifest, "artifact"))
+        (tmp / "config.pbtxt").write_text(config_pbtxt(name, opts, record, "artifact"))
 
     Path(out).mkdir(parents=True, exist_ok=True)
     atomic_directory_write(Path(out) / name, write, force)

@@ -59,7 +59,7 @@ def lower_triton_vllm(artifact: str | Path, out: str | Path, name: str, reposito
     def write(tmp: Path):
         version = tmp / "1"
         version.mkdir()
-        checkpoint = export_vllm(artifact, version / CHECKPOINT_DIR, VllmLowerOptions())
+        checkpoint = export_vllm(artifact, version / CHECKPOINT_DIR, VllmLowerOptions()).path
         (version / "model.json").write_text(json.dumps(model_json(checkpoint, served_path), indent=2) + "\n")
         (tmp / "config.pbtxt").write_text(vllm_config_pbtxt(name))
 

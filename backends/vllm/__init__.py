@@ -8,19 +8,10 @@ pass runs and ``qcompile lower`` checks for an existing artifact, and its loweri
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 from backends.vllm.export import VllmLowerOptions, export_vllm
 from backends.vllm.schemes import check_module, check_plan
-from compiler.deploy.lowering import register_lowering
-from compiler.deploy.targets import TargetSpec, register_target
+from compiler.deploy.targets import Target, register_target
 
-
-def _lower(artifact: Path, out: Path, opts: VllmLowerOptions, force: bool) -> Path:
-    return export_vllm(artifact, out, opts, force)
-
-
-register_target(TargetSpec("vllm", "vLLM: a compressed-tensors checkpoint (INT4 pack-quantized, INT8 int-quantized, FP8 "
-                                   "float-quantized)",
-                           check_module, check_plan))
-register_lowering("vllm", _lower, VllmLowerOptions)
+register_target(Target("vllm", "vLLM: a compressed-tensors checkpoint (INT4 pack-quantized, INT8 int-quantized, FP8 "
+                               "float-quantized)",
+                       check_module, export_vllm, VllmLowerOptions, check_plan))

@@ -34,13 +34,13 @@ import torch
 
 from backends.vllm.schemes import FUSED_SETS, MODEL_TYPES, checkpoint_dtype, ct_scheme, kv_cache_scheme
 from backends.vllm.tensors import fp8_tensors, int4_tensors, int8_tensors, kv_scale_tensors
-from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
+from compiler.deploy.targets import DeploymentPlan, LowerResult, check_formats, check_plan
 from compiler.errors import ConfigError
 from compiler.formats.int4 import Int4Linear
 from compiler.formats.int8 import Int8Linear
 from compiler.options import option
 from compiler.formats.qlinear import linear_modules, quantized_modules
-from compiler.io.artifact import MANIFEST, check_lowered_entries, load_artifact, read_manifest
+from compiler.io.artifact import MANIFEST, ArtifactRecord, check_lowered_entries, load_artifact, read_manifest
 from compiler.io.atomic import atomic_directory_write
 from compiler.io.types import sha256_files
 from compiler.model.architectures import FULL, SLIDING
@@ -51,7 +51,7 @@ from compiler.quant.int4 import storage_scale
 # in tests/backends/vllm, and vLLM 0.32's CPU kernels); compressed-tensors writes its own version here.
 CT_VERSION = "0.17.0"
 EXPORT_FILE = "qcompile_export.json"
-# The manifest entries (beyond compiler.io.artifact.CORE_KEYS) this export reads: the FP8 KV cache
+# The manifest entries passes declared (ArtifactRecord.extras) this export reads: the FP8 KV cache
 # and the serving plan (module docstring).
 LOWERED_ENTRIES = frozenset({"kv_cache", "serving"})
 
@@ -72,15 +72,13 @@ def hf_name(module: str) -> str:
     return module if module == "lm_head" or module.startswith("lm_head.") else f"model.{module}"
 
 
-def check_artifact(manifest: dict, where: str) -> None:
+def check_artifact(record: ArtifactRecord, where: str) -> None:
     """Raise ConfigError, before any work, for anything in the artifact vLLM cannot run exactly:
     an entry this export does not know, a module format, or the plan as a whole (KV cache, serving plan)."""
-    check_lowered_entries(manifest, "vllm", LOWERED_ENTRIES, where)
-    modules = manifest.get("modules", {})
-    config = ModelConfig.from_dict(manifest["model_config"])
-    check_formats("vllm", modules, where)
-    plan = DeploymentPlan(manifest["dtype"], modules, kv_cache=manifest.get("kv_cache"), config=config,
-                          serving=manifest.get("serving"))
+    check_lowered_entries(record, "vllm", LOWERED_ENTRIES, where)
+    check_formats("vllm", record.modules, where)
+    plan = DeploymentPlan(record.dtype_name, record.modules, kv_cache=record.kv_cache, config=record.config,
+                          serving=record.serving)
     check_plan("vllm", plan, where)
 
 
@@ -224,7 +222,7 @@ def half_rounding(model: torch.nn.Module, where: str) -> float:
     return worst
 
 
-def checkpoint_tensors(model: torch.nn.Module, manifest: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(model: torch.nn.Module, record: ArtifactRecord, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint under its Hugging Face name (tied lm_head left out, as HF does),
     the float ones in ``dtype``; the FP8 formats' float32 scales stay float32 (``backends/vllm/tensors.py``)."""
     quantized = quantized_modules(model)
@@ -236,13 +234,13 @@ def checkpoint_tensors(model: torch.nn.Module, manifest: dict, dtype: torch.dtyp
             continue
         out[hf_name(module) + "." + leaf] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
     for name, module in quantized.items():
-        fmt = manifest["modules"][name]
+        fmt = record.modules[name]
         for leaf, tensor in converters[fmt["format"]](module, fmt).items():
             weight_only_int8 = fmt["format"] == "int8" and fmt["activation_scheme"] == "none"
             cast = ((fmt["format"] == "int4" or weight_only_int8) and tensor.is_floating_point()) or leaf == "bias"
             out[f"{hf_name(name)}.{leaf}"] = (tensor.to(dtype) if cast else tensor).contiguous()
-    if manifest.get("kv_cache"):
-        out |= {hf_name(k): v for k, v in kv_scale_tensors(manifest["kv_cache"]).items()}
+    if record.kv_cache:
+        out |= {hf_name(k): v for k, v in kv_scale_tensors(record.kv_cache).items()}
     return out
 
 
@@ -279,39 +277,40 @@ def write_shards(out: Path, tensors: dict[str, torch.Tensor], limit_bytes: int, 
 
 
 def export_vllm(artifact: str | Path, out: str | Path, opts: VllmLowerOptions = VllmLowerOptions(),
-                force: bool = False) -> Path:
-    """Write ``artifact`` as a compressed-tensors checkpoint directory ``out`` (atomically); return ``out``."""
+                force: bool = False) -> LowerResult:
+    """Write ``artifact`` as a compressed-tensors checkpoint directory ``out`` (atomically); its notes
+    are in ``qcompile_export.json`` too."""
     artifact, out = Path(artifact), Path(out)
-    manifest = read_manifest(artifact)
-    check_artifact(manifest, str(artifact))
+    record = read_manifest(artifact)
+    check_artifact(record, str(artifact))
     loaded = load_artifact(artifact)
     if loaded.tokenizer is None:
         raise ConfigError(f"{artifact}: the artifact holds no tokenizer, and vLLM needs one; compile from a "
                           "checkpoint that ships its tokenizer")
-    model, modules = loaded.model, manifest.get("modules", {})
+    model, modules = loaded.model, record.modules
     _check_static_input_scales(model, modules, str(artifact))
-    dtype = checkpoint_dtype(manifest["dtype"], modules)
+    dtype = checkpoint_dtype(record.dtype_name, modules)
     notes = weight_only_int8_rounding(model, dtype)
-    if dtype != manifest["dtype"]:
+    if dtype != record.dtype_name:
         _check_half_scales(quantized_modules(model), str(artifact))
         notes.append(f"written in {dtype}, as vLLM runs INT4 layers: the INT4 codes, scales and zero points are the "
-                     f"artifact's own; its other {manifest['dtype']} tensors are rounded, by at most "
+                     f"artifact's own; its other {record.dtype_name} tensors are rounded, by at most "
                      f"{half_rounding(model, str(artifact)):.1e} of each tensor's largest value")
     config = hf_config(model.config, dtype)
-    if modules or manifest.get("kv_cache"):
-        config["quantization_config"] = quantization_config(model, modules, manifest.get("kv_cache"))
-    tensors = checkpoint_tensors(model, manifest, getattr(torch, dtype))
-    record = {"artifact": str(artifact.resolve()), "manifest_sha256": sha256_files([artifact / MANIFEST]),
+    if modules or record.kv_cache:
+        config["quantization_config"] = quantization_config(model, modules, record.kv_cache)
+    tensors = checkpoint_tensors(model, record, getattr(torch, dtype))
+    export = {"artifact": str(artifact.resolve()), "manifest_sha256": sha256_files([artifact / MANIFEST]),
               "dtype": dtype, "notes": notes,
               "schemes": {hf_name(n): ct_scheme(f)["format"] for n, f in modules.items()},
-              "kv_cache": manifest.get("kv_cache"), "serving": manifest.get("serving")}
+              "kv_cache": record.kv_cache, "serving": record.serving}
 
     def write(tmp: Path):
         files = write_shards(tmp, tensors, opts.shard_size_mb << 20)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         loaded.tokenizer.save_pretrained(str(tmp))
-        (tmp / EXPORT_FILE).write_text(json.dumps({**record, "files": files}, indent=2))
+        (tmp / EXPORT_FILE).write_text(json.dumps({**export, "files": files}, indent=2))
 
     atomic_directory_write(out, write, force)
-    return out
+    return LowerResult(out, notes)
 

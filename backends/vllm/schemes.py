@@ -261,7 +261,7 @@ def check_model(config: ModelConfig, dtype: str) -> str | None:
     """None when the export writes the architecture and vLLM runs it in ``dtype``, else why not."""
     arch = config.architecture
     if arch == "DeepseekV3ForCausalLM":
-        # benchmarks/vllm_deepseek_probe.py: on tiny float32 checkpoints vLLM 0.32's CPU build agrees with
+        # docs/notes/2026-12-deepseek-v3-vllm-cpu.py: on tiny float32 checkpoints vLLM 0.32's CPU build agrees with
         # transformers at the first position only (docs/notes/2026-12-deepseek-v3-vllm-cpu.md)
         return (f"{arch}: vLLM 0.32's CPU build runs MLA only at kv_lora_rank + qk_rope_head_dim = 576, and there "
                 "its prefill disagrees with transformers (measured); serve it with the engine (qcompile generate)")

@@ -1,2 +1,3 @@
-"""Deployment contracts shared by passes, backends and serving: what each target can run
-(``targets.py``), the lowering registry (``lowering.py``) and the serving plan (``serving_plan.py``)."""
+"""Deployment contracts shared by passes, backends and serving: the target registry, each target what
+it can run and its lowering (``targets.py``), ``lower`` (``lowering.py``) and the serving plan
+(``serving_plan.py``)."""

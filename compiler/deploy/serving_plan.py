@@ -11,7 +11,7 @@ The ``paged_kv`` pass validates it and records it in the artifact as ``manifest[
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Literal
 
 import torch
@@ -69,6 +69,10 @@ class ServingPlan:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def resolved(self, kv: "KVCachePlan") -> "ServingPlan":
+        """This plan with ``kv``'s dtype and block count written in: what the manifest records."""
+        return replace(self, kv_dtype=kv.kv_dtype, num_blocks=kv.num_blocks)
+
     @classmethod
     def from_dict(cls, d: dict | None) -> "ServingPlan":
         """From a manifest entry; keys this version does not know (e.g. derived figures) are ignored."""
@@ -97,3 +101,34 @@ def bytes_per_block(block_size: int, n_layers: int, n_kv_heads: int, head_dim: i
                     values: bool = True) -> int:
     """K and V (K alone without ``values``: MLA's latent) for ``block_size`` tokens in every layer."""
     return (2 if values else 1) * n_layers * block_size * n_kv_heads * head_dim * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """The paged KV cache a serving plan buys for one model: its dtype (a ``KV_DTYPES`` name) and
+    how many blocks of how many tokens. Computed in one place, ``plan_kv_cache``: the paged_kv pass
+    records it (``ServingPlan.resolved``), and the engine builds its cache from the recorded plan."""
+
+    kv_dtype: str
+    block_size: int
+    num_blocks: int
+    bytes_per_block: int
+
+    @property
+    def mib(self) -> float:
+        return self.num_blocks * self.bytes_per_block / 2**20
+
+    @property
+    def max_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def plan_kv_cache(plan: ServingPlan, config, model_dtype: str, kv_cache: dict | None) -> KVCachePlan:
+    """The KV cache of ``plan`` for a model of ``config`` (its ``kv_cache_layout`` and layers) in
+    ``model_dtype``, with the artifact's ``kv_cache`` entry (``resolve_kv_dtype``). A plan already
+    resolved (as recorded by the paged_kv pass: a dtype name and ``num_blocks``) comes back as it is."""
+    kv_dtype = resolve_kv_dtype(plan.kv_dtype, model_dtype, kv_cache)
+    heads, dim, values = config.kv_cache_layout
+    per_block = bytes_per_block(plan.block_size, config.n_layers, heads, dim, KV_DTYPES[kv_dtype], values)
+    num_blocks = plan.num_blocks or max(1, int(plan.kv_memory_mb * 2**20) // per_block)
+    return KVCachePlan(kv_dtype, plan.block_size, num_blocks, per_block)

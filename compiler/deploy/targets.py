@@ -1,16 +1,23 @@
-"""What each deployment target can run, declared by the backends and checked before any work.
+"""The deployment targets: each backend registers one ``Target``, what it can run and how to lower to it.
 
-A backend registers a ``TargetSpec`` whose ``check(module, fmt)`` returns ``None`` when the
-target runs a module stored in format ``fmt`` (the manifest's per-module entry, e.g.
-``{"format": "int4", "group_size": 64}``) or a reason when it cannot. Pipeline validation and
-``qcompile lower`` both use it, so an impossible combination fails before compiling. A target
-may also declare ``check_plan(plan)`` for what no single module entry shows: the model dtype,
-several modules together, an FP8 KV cache (a ``DeploymentPlan``, built from a pipeline before it
-runs or from an artifact's manifest).
+What it can run: ``check(module, fmt)`` returns ``None`` when the target runs a module stored in
+format ``fmt`` (the manifest's per-module entry, e.g. ``{"format": "int4", "group_size": 64}``) or
+a reason when it cannot. Pipeline validation and ``qcompile lower`` both use it, so an impossible
+combination fails before compiling. A target may also declare ``check_plan(plan)`` for what no
+single module entry shows: the model dtype, several modules together, an FP8 KV cache (a
+``DeploymentPlan``, built from a pipeline before it runs or from an artifact's manifest).
+
+How to lower: ``lower(artifact, out, options, force)`` writes the target's output and returns a
+``LowerResult`` (where it wrote, and notes for the user); ``Options`` is the frozen dataclass of
+the options it takes (fields declared with ``compiler.options.option``, so each carries its help
+text). ``qcompile lower`` builds its flags from them and prints the result's notes, so a new
+backend adds a target without touching the command line (``compiler/deploy/lowering.py``).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from compiler.errors import ConfigError
@@ -41,23 +48,49 @@ def planned_kv_cache(plan: DeploymentPlan) -> dict | None:
     return kv
 
 
+@dataclass
+class LowerResult:
+    """What a lowering wrote (``path``) and what its user should know: ``notes`` (what was rounded,
+    what was not written and why) and ``layers``, how many layers were written each way, for the
+    targets that say (the ONNX and Ascend bundles)."""
+
+    path: Path
+    notes: list[str] = field(default_factory=list)
+    layers: dict[str, int] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
-class TargetSpec:
+class NoOptions:
+    pass
+
+
+@dataclass(frozen=True)
+class Target:
+    """A deployment target: what it runs (``check``, ``check_plan``) and how to lower to it (``lower``
+    taking an ``Options`` instance: ``lower(artifact_dir, out, options, force) -> LowerResult``)."""
+
     name: str
     description: str
     check: Callable[[str, dict], str | None]
+    lower: Callable[[Path, Path, Any, bool], LowerResult]
+    Options: type = NoOptions
     check_plan: Callable[[DeploymentPlan], str | None] | None = None
 
-
-TARGETS: dict[str, TargetSpec] = {}
-
-
-def register_target(spec: TargetSpec) -> TargetSpec:
-    TARGETS[spec.name] = spec
-    return spec
+    def option_names(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self.Options)]
 
 
-def get_target(name: str) -> TargetSpec:
+TARGETS: dict[str, Target] = {}
+
+
+def register_target(target: Target) -> Target:
+    if not dataclasses.is_dataclass(target.Options):
+        raise TypeError(f"target {target.name!r}: Options must be a dataclass, got {target.Options!r}")
+    TARGETS[target.name] = target
+    return target
+
+
+def get_target(name: str) -> Target:
     if name not in TARGETS:
         raise ConfigError(f"unknown target {name!r}{suggest(name, TARGETS)}")
     return TARGETS[name]

@@ -20,6 +20,9 @@ unchanged; the tokenizer is loaded from those files alone, so another file in th
 never read); loading also checks the schema version and every tensor's name, dtype, shape and
 checksum. A corrupt,
 truncated or edited artifact is a one-line ``ArtifactError``, never wrong outputs.
+
+The manifest is written from an ``ArtifactRecord`` and read back as one (``read_manifest``), so
+every reader goes through its typed attributes, never through the JSON's keys.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +54,8 @@ SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 MANIFEST_SHA_KEY = "qcompile_manifest_sha256"  # in the weights file's safetensors metadata
 # What save_artifact itself writes; every other top-level key is an entry a pass declared
-# (``PassContext.manifest_extras``: the FP8 KV cache, the serving plan, ...), which each lowering
-# must either lower or refuse (``check_lowered_entries``).
+# (``PassContext.manifest_extras``: the FP8 KV cache, the serving plan, ...): ``ArtifactRecord.extras``,
+# which each lowering must either lower or refuse (``check_lowered_entries``).
 CORE_KEYS = frozenset({"schema_version", "created", "source", "model_config", "dtype", "pipeline", "passes",
                        "modules", "tensors", "aliases", "tokenizer", "tokenizer_files"})
 
@@ -81,40 +84,70 @@ def dedupe_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
 
 @dataclass
 class ArtifactRecord:
-    """What an artifact's manifest says beside its tensors: the model, where it came from, how it was compiled."""
+    """An artifact's manifest, typed: the model, where it came from, how it was compiled (``pipeline``,
+    each pass's report), and, filled in when the artifact is written, its converted modules, tensors,
+    aliases and tokenizer files. ``extras``: the entries passes declared (``kv_cache``, ``serving``, …)."""
 
     config: ModelConfig
     dtype: torch.dtype
-    tokenizer: Any
     source: SourceInfo
     pipeline: dict
     reports: list[dict]
     extras: dict = field(default_factory=dict)
+    modules: dict[str, dict] = field(default_factory=dict)  # converted module -> its format entry
+    tensors: dict[str, dict] = field(default_factory=dict)  # name -> {"dtype", "shape", "sha256"}
+    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the stored tensor's
+    has_tokenizer: bool = False
+    tokenizer_files: dict[str, str] | None = None  # file -> SHA-256; None: written before they were hashed
+    created: str = ""
+    sha256: str = field(default="", compare=False)  # read back: the content checksum the weights file vouches for
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def kv_cache(self) -> dict | None:
+        """The KV-cache entry a pass declared (``compiler/formats/kv_quant.py``), or None."""
+        return self.extras.get("kv_cache")
+
+    @property
+    def serving(self) -> dict | None:
+        """The serving plan the ``paged_kv`` pass recorded (``compiler/deploy/serving_plan.py``), or None."""
+        return self.extras.get("serving")
+
+    def to_json(self) -> dict:
+        """The manifest's JSON object (its keys in the order they have always been written)."""
+        files = {} if self.tokenizer_files is None else {"tokenizer_files": self.tokenizer_files}
+        return {"schema_version": SCHEMA_VERSION, "created": self.created, "source": self.source.to_dict(),
+                "model_config": self.config.to_dict(), "dtype": self.dtype_name, "pipeline": self.pipeline,
+                "passes": self.reports, "modules": self.modules, "tensors": self.tensors, "aliases": self.aliases,
+                "tokenizer": self.has_tokenizer, **files, **self.extras}
+
+    @classmethod
+    def from_json(cls, manifest: dict) -> "ArtifactRecord":
+        """The record of a manifest's JSON object (KeyError, TypeError, … when it is not one)."""
+        dtype = getattr(torch, manifest["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype {manifest['dtype']!r} is not a torch dtype")
+        return cls(ModelConfig.from_dict(manifest["model_config"]), dtype, SourceInfo(**manifest["source"]),
+                   manifest.get("pipeline", {}), manifest.get("passes", []),
+                   {k: v for k, v in manifest.items() if k not in CORE_KEYS}, manifest["modules"], manifest["tensors"],
+                   manifest.get("aliases", {}), manifest.get("tokenizer", False), manifest.get("tokenizer_files"),
+                   manifest.get("created", ""))
 
 
 def finish_artifact(tmp: Path, writer: ShardWriter, order: list[str], aliases: dict[str, str],
-                    modules: dict[str, dict], record: ArtifactRecord) -> None:
+                    modules: dict[str, dict], record: ArtifactRecord, tokenizer: Any) -> None:
     """Write the manifest, the weights files and the tokenizer of an artifact into ``tmp``: the
     tensors ``writer`` holds, laid out and listed in ``order`` (the model's state-dict order), ``aliases`` (tied names) and
-    ``modules`` (each converted module's format). An in-memory and a streamed compile of one model
-    both end here, so they write the same bytes."""
-    manifest = {
-        "schema_version": SCHEMA_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "source": record.source.to_dict(),
-        "model_config": record.config.to_dict(),
-        "dtype": str(record.dtype).removeprefix("torch."),
-        "pipeline": record.pipeline,
-        "passes": record.reports,
-        "modules": modules,
-        "tensors": {n: {"dtype": str(e.dtype).removeprefix("torch."), "shape": e.shape, "sha256": e.sha256}
-                    for n, e in ((n, writer.entries[n]) for n in order)},
-        "aliases": aliases,
-        "tokenizer": record.tokenizer is not None,
-        "tokenizer_files": save_tokenizer(tmp, record.tokenizer),
-        **record.extras,
-    }
-    text = json.dumps(manifest, indent=1)
+    ``modules`` (each converted module's format), ``record`` completed with them. An in-memory and a
+    streamed compile of one model both end here, so they write the same bytes."""
+    record = replace(record, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), modules=modules,
+                     tensors={n: {"dtype": str(e.dtype).removeprefix("torch."), "shape": e.shape, "sha256": e.sha256}
+                              for n, e in ((n, writer.entries[n]) for n in order)},
+                     aliases=aliases, has_tokenizer=tokenizer is not None, tokenizer_files=save_tokenizer(tmp, tokenizer))
+    text = json.dumps(record.to_json(), indent=1)
     digest = manifest_sha256(json.loads(text))  # of the content as a reader will parse it
     writer.write(order, {"format": "pt", MANIFEST_SHA_KEY: digest})
     (tmp / MANIFEST).write_text(text)
@@ -143,22 +176,22 @@ def save_artifact(out: str | Path, model: Transformer, tokenizer: Any, source: S
     """Write the artifact directory of an in-memory model atomically and return its path."""
     state, aliases = dedupe_shared(model.state_dict())
     modules = {name: m.format_meta() for name, m in quantized_modules(model).items()}
-    record = ArtifactRecord(model.config, model.embed_tokens.weight.dtype, tokenizer, source, pipeline, reports,
-                            extras or {})
+    record = ArtifactRecord(model.config, model.embed_tokens.weight.dtype, source, pipeline, reports, extras or {})
 
     def write(tmp: Path):
         writer = ShardWriter(tmp, spool=False)
         for name, t in state.items():
             writer.add(name, t)
-        finish_artifact(tmp, writer, list(state), aliases, modules, record)
+        finish_artifact(tmp, writer, list(state), aliases, modules, record, tokenizer)
 
     out = Path(out)
     atomic_directory_write(out, write, force)
     return out
 
 
-def read_manifest(path: str | Path) -> dict:
-    """The manifest of artifact ``path``, checked against the checksum its weights file holds."""
+def read_manifest(path: str | Path) -> ArtifactRecord:
+    """The manifest of artifact ``path``, checked against the checksum its weights file holds (and its
+    tokenizer files against theirs), as the record it was written from."""
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
@@ -178,11 +211,16 @@ def read_manifest(path: str | Path) -> dict:
     if manifest_sha256(manifest) != expected:
         raise ArtifactError(f"{path}: {MANIFEST} does not match the checksum its weights file holds (edited or "
                             "corrupt); recompile the artifact rather than editing it")
-    _check_tokenizer_files(path, manifest)
-    return manifest
+    try:
+        record = replace(ArtifactRecord.from_json(manifest), sha256=expected)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # vouched for, yet not what qcompile writes
+        raise ArtifactError(f"{path / MANIFEST}: not a qcompile manifest ({type(e).__name__}: {e}); "
+                            "recompile the artifact") from None
+    _check_tokenizer_files(path, record)
+    return record
 
 
-def _check_tokenizer_files(path: Path, manifest: dict, where: Path | None = None) -> None:
+def _check_tokenizer_files(path: Path, record: ArtifactRecord, where: Path | None = None) -> None:
     """Each tokenizer file the manifest lists is there (in ``path``) and unchanged; errors name
     ``where`` (the artifact). Other files in the directory are not refused: the tokenizer is loaded
     from the listed files alone (``_load_tokenizer``).
@@ -192,7 +230,7 @@ def _check_tokenizer_files(path: Path, manifest: dict, where: Path | None = None
     the key's absence is vouched for by the manifest checksum checked above (removing it from a
     newer manifest is an edit, refused) and refusing would only force a recompile."""
     where = where or path
-    for name, digest in (manifest.get("tokenizer_files") or {}).items():
+    for name, digest in (record.tokenizer_files or {}).items():
         if not (path / name).is_file():
             raise ArtifactError(f"{where}: tokenizer file {name} is missing; copy the whole artifact directory, "
                                 "or recompile it")
@@ -201,19 +239,19 @@ def _check_tokenizer_files(path: Path, manifest: dict, where: Path | None = None
                                 "the artifact rather than editing it")
 
 
-def _load_tokenizer(path: Path, manifest: dict):
+def _load_tokenizer(path: Path, record: ArtifactRecord):
     """The artifact's tokenizer from exactly the files its manifest lists, copied into a private
     directory and checked there: the tokenizer loader reads whatever names its class looks for
     (vocab and merges files, added_tokens.json, chat templates, config.json), so a file dropped
     beside them — a note, an eval result, or one meant to change the tokenizer — is never read."""
-    listed = manifest.get("tokenizer_files")
+    listed = record.tokenizer_files
     if listed is None:  # written before the hashes: read from the directory, as it always was
         return load_tokenizer(path)
     with tempfile.TemporaryDirectory(prefix="qcompile-tokenizer-") as tmp:
         for name in listed:
             (Path(tmp) / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path / name, Path(tmp) / name)
-        _check_tokenizer_files(Path(tmp), manifest, path)  # the copies are what is read
+        _check_tokenizer_files(Path(tmp), record, path)  # the copies are what is read
         return load_tokenizer(Path(tmp))
 
 
@@ -253,11 +291,10 @@ def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def _read_tensors(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
-    """Every tensor the manifest lists, each checked for dtype, shape and SHA-256 (memory-mapped)."""
+def _read_tensors(path: Path, expected: dict[str, dict]) -> dict[str, torch.Tensor]:
+    """Every tensor the manifest lists (``expected``), each checked for dtype, shape and SHA-256 (memory-mapped)."""
     from safetensors import SafetensorError, safe_open
 
-    expected = manifest["tensors"]
     state, extra = {}, []
     for file in _weight_files(path):
         try:
@@ -290,13 +327,12 @@ def check_tensor(path: Path, name: str, t: torch.Tensor, meta: dict) -> None:
         raise ArtifactError(f"{path}: tensor {name} fails its checksum; the artifact is corrupt, recompile it")
 
 
-def build_from_manifest(manifest: dict, state: dict[str, torch.Tensor], where: str = "artifact") -> Transformer:
+def build_from_manifest(record: ArtifactRecord, state: dict[str, torch.Tensor], where: str = "artifact") -> Transformer:
     """The model the manifest describes, with ``state``'s tensors assigned (``where`` names it in errors)."""
-    config = ModelConfig.from_dict(manifest["model_config"])
+    config, dtype = record.config, record.dtype
     with torch.device("meta"):
         model = Transformer(config)
-    dtype = getattr(torch, manifest["dtype"])
-    for name, meta in manifest["modules"].items():
+    for name, meta in record.modules.items():
         try:
             linear = model.get_submodule(name)
             cls = format_class(meta["format"])
@@ -308,18 +344,18 @@ def build_from_manifest(manifest: dict, state: dict[str, torch.Tensor], where: s
         with torch.device("meta"):
             q = cls.empty(meta, linear.in_features, linear.out_features, linear.bias is not None, dtype)
         model.set_submodule(name, q)
-    for alias, target in manifest.get("aliases", {}).items():
+    for alias, target in record.aliases.items():
         state[alias] = state[target]
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:
         raise ArtifactError(f"{where}: tensors do not fit its model config ({_first_line(e)}); recompile it") from None
-    if config.tie_embeddings and "lm_head.weight" in manifest.get("aliases", {}):
+    if config.tie_embeddings and "lm_head.weight" in record.aliases:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config)
-    if manifest.get("kv_cache"):
+    if record.kv_cache:
         try:
-            install_kv_quant(model, manifest["kv_cache"])
+            install_kv_quant(model, record.kv_cache)
         except ArtifactError as e:
             raise ArtifactError(f"{where}: {e}") from None
     return model.eval()
@@ -328,23 +364,23 @@ def build_from_manifest(manifest: dict, state: dict[str, torch.Tensor], where: s
 def load_artifact(path: str | Path) -> LoadedModel:
     """The runnable model (``forward(input_ids[B, T]) -> logits[B, T, V]``) and tokenizer of an artifact."""
     path = Path(path)
-    manifest = read_manifest(path)
-    model = build_from_manifest(manifest, _read_tensors(path, manifest), str(path))
+    record = read_manifest(path)
+    model = build_from_manifest(record, _read_tensors(path, record.tensors), str(path))
     tokenizer = None
-    if manifest.get("tokenizer"):
-        tokenizer = _load_tokenizer(path, manifest)
+    if record.has_tokenizer:
+        tokenizer = _load_tokenizer(path, record)
         if tokenizer is None:
             raise ArtifactError(f"{path}: the manifest lists a tokenizer but the artifact holds no tokenizer files; "
                                 "copy the whole artifact directory, or recompile it")
     source = SourceInfo(str(path.resolve()), "artifact", sha256_files([path / MANIFEST]),
                         sum(f.stat().st_size for f in _weight_files(path)))
-    return LoadedModel(model, tokenizer, source, manifest)
+    return LoadedModel(model, tokenizer, source, record)
 
 
-def check_lowered_entries(manifest: dict, target: str, lowered: set[str] | frozenset[str], where: str) -> None:
-    """Refuse an artifact that declares a manifest entry (one a pass added, beyond ``CORE_KEYS``)
-    that ``target``'s lowering does not handle, so no later pass's format is dropped silently."""
-    unknown = sorted(set(manifest) - CORE_KEYS - set(lowered))
+def check_lowered_entries(record: ArtifactRecord, target: str, lowered: set[str] | frozenset[str], where: str) -> None:
+    """Refuse an artifact that declares a manifest entry (one a pass added: ``record.extras``) that
+    ``target``'s lowering does not handle, so no later pass's format is dropped silently."""
+    unknown = sorted(set(record.extras) - set(lowered))
     if unknown:
         raise ConfigError(f"{where}: the artifact declares {', '.join(map(repr, unknown))}, which the {target} "
                           f"lowering does not know (it lowers {', '.join(sorted(lowered)) or 'no pass entries'}); "

@@ -24,6 +24,7 @@ import torch
 
 from compiler.errors import CheckpointError
 from compiler.io.checkpoint import gguf_source, hf_config, hf_source, weight_files
+from compiler.io.load import Checkpoint
 from compiler.io.types import SourceInfo, load_tokenizer
 from compiler.model.config import ModelConfig
 from compiler.model.transformer import DecoderLayer, Transformer, rope_inv_freq
@@ -158,14 +159,10 @@ class StreamedGguf(BlockReader):
         return state
 
 
-def is_gguf(path: Path) -> bool:
-    return path.is_file() and path.suffix == ".gguf"
-
-
-def open_streamed(path: str | Path, dtype: torch.dtype) -> BlockReader:
-    """The block reader of checkpoint ``path``: a GGUF file, else a HF safetensors directory."""
-    path = Path(path)
-    return StreamedGguf(path, dtype) if is_gguf(path) else StreamedCheckpoint(path, dtype)
+def open_streamed(checkpoint: Checkpoint, dtype: torch.dtype) -> BlockReader:
+    """The block reader of ``checkpoint``: a GGUF file, else a HF safetensors directory."""
+    reader = StreamedGguf if checkpoint.kind == "gguf" else StreamedCheckpoint
+    return reader(checkpoint.path, dtype)
 
 
 def release_freed_memory() -> None:

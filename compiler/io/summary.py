@@ -24,10 +24,10 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "
 def artifact_summary(path: str | Path) -> dict:
     """Everything ``inspect`` shows, computed from the manifest (weights are not read)."""
     path = Path(path)
-    manifest = read_manifest(path)
+    record = read_manifest(path)
     module_bytes: dict[str, int] = defaultdict(int)
     weight_shape: dict[str, list[int]] = {}
-    for name, t in manifest["tensors"].items():
+    for name, t in record.tensors.items():
         module, _, leaf = name.rpartition(".")
         n = 1
         for d in t["shape"]:
@@ -35,10 +35,10 @@ def artifact_summary(path: str | Path) -> dict:
         module_bytes[module] += n * _DTYPE_BYTES.get(t["dtype"], 4)
         if leaf == "weight" and len(t["shape"]) == 2:
             weight_shape[module] = t["shape"]
-    int4_compute, _ = resolve_int4_compute((manifest.get("serving") or {}).get("int4_compute", "auto"), torch.device("cpu"))
+    int4_compute, _ = resolve_int4_compute((record.serving or {}).get("int4_compute", "auto"), torch.device("cpu"))
     layers = []
-    for module in sorted(set(weight_shape) | set(manifest["modules"])):
-        meta = manifest["modules"].get(module, {"format": manifest["dtype"]})
+    for module in sorted(set(weight_shape) | set(record.modules)):
+        meta = record.modules.get(module, {"format": record.dtype_name})
         out_f, in_f = (meta["out_features"], meta["in_features"]) if "in_features" in meta else weight_shape[module]
         layer = {"module": module, **meta, "bytes": module_bytes[module],
                  "bits_per_weight": round(8 * module_bytes[module] / (in_f * out_f), 3)}
@@ -48,16 +48,16 @@ def artifact_summary(path: str | Path) -> dict:
     weights_bytes = sum(f.stat().st_size for f in weight_files(path))
     return {
         "path": str(path),
-        "source": manifest["source"],
+        "source": record.source.to_dict(),
         "passes": [{"name": r["name"], "wall_time_s": r["wall_time_s"], "metrics": r["metrics"], "notes": r.get("notes", [])}
-                   for r in manifest["passes"]],
+                   for r in record.reports],
         "formats": dict(Counter(layer["format"] for layer in layers)),
         "cpu_isa": cpu_isa_in_use(),
         "layers": layers,
-        "sensitive": most_sensitive(manifest["passes"]),
+        "sensitive": most_sensitive(record.reports),
         "size": {"weights_bytes": weights_bytes,
                  "total_bytes": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
-                 "source_bytes": manifest["source"].get("size_bytes", 0)},
+                 "source_bytes": record.source.size_bytes},
     }
 
 

@@ -35,7 +35,9 @@ class LoadedModel:
     model: Transformer
     tokenizer: Any  # a transformers tokenizer, or None when the checkpoint ships none
     source: SourceInfo
-    manifest: dict | None = None  # set when loaded from a compiled artifact
+    # Set when loaded from a compiled artifact: its manifest, a compiler.io.artifact.ArtifactRecord (named,
+    # not imported: artifact.py imports this module).
+    manifest: "ArtifactRecord | None" = None
     extras: dict = field(default_factory=dict)
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from compiler.errors import QCompileError
 from compiler.kernels.cpu_isa import LEVELS
 
 CSRC = Path(__file__).with_name("csrc")
@@ -39,8 +40,9 @@ COMMON_FLAGS = ("-std=c++20", "-O3", "-fPIC", "-fopenmp", "-ffp-contract=off",
 DIR_SWITCH = "QCOMPILE_KERNELS_DIR"
 
 
-class BuildError(RuntimeError):
-    """The kernels did not build; the message's first line says why, the rest is the build log."""
+class BuildError(QCompileError):
+    """The kernels did not build (no compiler or ninja, a failed build); the message's first line says why,
+    the rest is the build log."""
 
 
 def library_name(level_name: str) -> str:

@@ -5,20 +5,11 @@ packed ways are faster for the engine's batches: qcompile's ``dense_linear`` (C+
 weight in blocks of 16 output channels, ``pack_dense_weight``, each tile's sums in registers over
 the whole input, the weight read once as a stream), and oneDNN on a weight reordered into its
 blocked layout (``mkldnn._reorder_linear_weight``, then ``mkldnn._linear_pointwise``, as vLLM's
-CPU backend and inductor's freezing do). SmolLM2's 30 decoder layers of float32 projections (fused
-q/k/v and gate/up), weights cold in cache, 2 threads, ms for all of them (``python
-benchmarks/dense_cpu.py``):
-
-    rows                               1     2     3     4     16    64    512
-    Xeon (AVX-512, AMX):  MKL        17.1  20.0         29.2  42.1  74.1
-                          oneDNN     20.2  24.6         21.4  32.2  71.1
-    AMD EPYC (AVX-512):   MKL        33.4  52.9  60.7  44.9  48.4 103.4  623.6
-                          oneDNN     19.0  21.7  17.2  16.5  25.5  79.0  522.2
-                          qcompile   12.7  12.5  12.6  13.4  19.8  66.1  503.0
-
-(the Xeon's row from 2026-12-04, before qcompile's kernel; the EPYC's from 2026-12-06). qcompile's
-kernel reads the weight at the memory's speed from one row on (425 MB in 12.7 ms) and is level
-with oneDNN where both are bound by arithmetic (512 rows).
+CPU backend and inductor's freezing do). On SmolLM2's 30 decoder layers of float32 projections
+(``python benchmarks/dense_cpu.py``; the table per host and row count:
+docs/notes/2026-12-cpu-linear-layers-by-rows.md) qcompile's kernel reads the weight at the memory's
+speed from one row on (425 MB in 12.7 ms on the AMD EPYC) and is level with oneDNN where both are
+bound by arithmetic (512 rows).
 
 So ``PackedLinear`` keeps the weight as it is (``F.linear`` for what the packed way does not take,
 and every other user of the module's ``weight``: tied embeddings, state dicts) and one packed copy

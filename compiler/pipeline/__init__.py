@@ -3,7 +3,10 @@
 A ``Pass`` declares its name, a typed options dataclass, the properties it requires and
 provides, and the storage format it plans for each module it converts. A ``Pipeline`` is built
 from a TOML file and validated as a whole (unknown pass, bad option, impossible order, two
-passes claiming one layer, formats the target cannot run) before any pass runs.
+passes claiming one layer, formats the target cannot run) before any pass runs. Validating
+makes the ``CompilePlan``: the model on the meta device and what each pass will do, made once
+per compile and handed to everything after it (the memory plan, the passes through
+``PassContext.plan``, the streamed compile) instead of being worked out again by each.
 
     [model]
     dtype = "float32"
@@ -48,6 +51,7 @@ from compiler.errors import (
     QCompileError,
 )
 from compiler.model.config import ModelConfig
+from compiler.model.transformer import Transformer
 from compiler.options import parse_options, suggest
 from compiler.pipeline.calibration import (
     CalibrationStatistics,
@@ -93,6 +97,23 @@ class PassReport:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class PassPlan:
+    """What ``Pass.plan`` found a pass will do to a model, before any work. A pass that needs more
+    of its plan when it runs (AWQ: each layer's group size and why) returns a subclass."""
+
+    formats: dict[str, dict] = field(default_factory=dict)  # module -> the storage format it will get (its claims)
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """What ``Pipeline.validate`` found, once per compile, for everything after it."""
+
+    meta: Transformer  # the model on the meta device: every module's name and shape, no weights
+    passes: dict["Pass", PassPlan]  # each pass of the pipeline, in order -> its plan
+    formats: dict[str, dict]  # every planned module's storage format, over all the passes
+
+
 @dataclass
 class PassContext:
     """What a running pass may use besides the model: tokenizer, calibration data, shared state."""
@@ -100,10 +121,15 @@ class PassContext:
     tokenizer: Any
     calibration: CalibrationConfig
     target: str | None = None
+    plan: CompilePlan | None = None  # what validate planned; None for passes run outside a compile
     manifest_extras: dict[str, Any] = field(default_factory=dict)  # e.g. the serving plan
     history: list[str] = field(default_factory=list)  # names of passes already run
     statistics: StatisticsCache = field(default_factory=StatisticsCache)
     _splits: list[TokenSplit] | None = None
+
+    def plan_of(self, p: "Pass") -> PassPlan | None:
+        """What validate planned for pass ``p`` (None outside a compile: the pass then plans for itself)."""
+        return self.plan.passes.get(p) if self.plan else None
 
     def token_splits(self) -> list[TokenSplit]:
         """Each corpus of the calibration spec (``a+b`` mixes them) tokenized once and split by the protocol."""
@@ -162,6 +188,9 @@ class Pass:
 
     An option named ``modules_to_not_convert`` (a list of patterns) means what
     ``compiler.pipeline.selection`` says; ``Pipeline.validate`` rejects a pattern naming no module.
+
+    ``check``, ``plan``, ``scope`` and ``working_memory`` get the model on the meta device (its
+    ``config``, module names and shapes; no weights), built once per compile.
     """
 
     name: ClassVar[str]
@@ -173,20 +202,21 @@ class Pass:
     def __init__(self, options):
         self.options = options
 
-    def planned_formats(self, config: ModelConfig) -> dict[str, dict]:
-        """Module name -> the storage format this pass will give it (claims those modules)."""
-        return {}
+    def check(self, model: Transformer) -> None:
+        """Static checks against the model; raise ``ConfigError`` with a fix hint."""
 
-    def check(self, config: ModelConfig) -> None:
-        """Static checks against the model config; raise ``ConfigError`` with a fix hint."""
+    def plan(self, model: Transformer) -> PassPlan:
+        """What this pass will do to ``model``: the storage format of each module it converts (claims
+        those modules); may raise ``ConfigError``. Made once, by validate; ``PassContext.plan_of`` hands it back."""
+        return PassPlan()
 
-    def scope(self, config: ModelConfig) -> Literal["model", "block", "config"]:
+    def scope(self, model: Transformer) -> Literal["model", "block", "config"]:
         """What the pass needs of the model at once, for a streamed compile: "model", the whole
         model in memory (the default; e.g. distillation's end-to-end training); "block", one
         decoder block at a time through ``stream``; "config", no weights (the config and dtype)."""
         return "model"
 
-    def working_memory(self, config: ModelConfig, calibration: CalibrationConfig, dtype_bytes: int,
+    def working_memory(self, model: Transformer, calibration: CalibrationConfig, dtype_bytes: int,
                        streamed: bool) -> dict[str, int]:
         """Bytes the pass needs beyond the model's weights, by what they hold (``memory.py`` adds
         them up before any work); ``streamed``: a block at a time."""
@@ -288,10 +318,13 @@ class Pipeline:
             options = {k: v for k, v in entry.items() if k != "name"}
             self.passes.append(cls(parse_options(cls.Options, options, f"{where} ({name})")))
 
-    def validate(self, model_config: ModelConfig) -> dict[str, dict]:
-        """Check order, claims, per-pass constraints and the target; return the planned formats."""
+    def validate(self, model_config: ModelConfig) -> CompilePlan:
+        """Check order, claims, per-pass constraints and the target against a model of ``model_config``;
+        return the compile's plan (a compile validates once and hands the plan down)."""
+        meta = meta_model(model_config)
         properties = set(INITIAL_PROPERTIES)
         claimed: dict[str, str] = {}
+        plans: dict[Pass, PassPlan] = {}
         formats: dict[str, dict] = {}
         kv_cache = None  # the pass that declares the manifest's one KV-cache entry
         for i, p in enumerate(self.passes):
@@ -306,29 +339,28 @@ class Pipeline:
                 providers = sorted(n for n, c in PASSES.items() if c.provides & missing)
                 hint = f"; run {' or '.join(providers)} before it" if providers else ""
                 raise PipelineValidationError(f"{where}: requires {', '.join(sorted(missing))}, which no earlier pass provides{hint}")
-            try:
-                if patterns := getattr(p.options, "modules_to_not_convert", None):
-                    check_patterns(patterns, meta_model(model_config))
-                p.check(model_config)
-            except ConfigError as e:
-                raise PipelineValidationError(f"{where}: {e}") from None
-            for module, fmt in p.planned_formats(model_config).items():
+            plans[p] = _checked_plan(p, meta, where)
+            for module, fmt in plans[p].formats.items():
                 if module in claimed:
                     raise PipelineValidationError(f"{where}: layer {module} is already claimed by {claimed[module]}; exclude it from one of them with modules_to_not_convert")
                 claimed[module] = where
                 formats[module] = fmt
             properties = (properties - p.invalidates) | p.provides
         if self.config.target.name:
-            from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
+            self._check_target(formats, model_config)
+        return CompilePlan(meta, plans, formats)
 
-            plan = DeploymentPlan(self.config.model.dtype, formats, [(p.name, p.options) for p in self.passes],
-                                  config=model_config)
-            try:
-                check_formats(self.config.target.name, formats, "pipeline")
-                check_plan(self.config.target.name, plan, "pipeline")
-            except ConfigError as e:
-                raise PipelineValidationError(str(e)) from None
-        return formats
+    def _check_target(self, formats: dict[str, dict], model_config: ModelConfig) -> None:
+        """Whether the target runs every planned format and the deployment as a whole."""
+        from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
+
+        plan = DeploymentPlan(self.config.model.dtype, formats, [(p.name, p.options) for p in self.passes],
+                              config=model_config)
+        try:
+            check_formats(self.config.target.name, formats, "pipeline")
+            check_plan(self.config.target.name, plan, "pipeline")
+        except ConfigError as e:
+            raise PipelineValidationError(str(e)) from None
 
     def run(self, model: torch.nn.Module, context: PassContext) -> list[PassReport]:
         reports = []
@@ -358,3 +390,14 @@ class Pipeline:
         report.metrics |= output_error_summary(report.layers)
         context.history.append(self.passes[i].name)
         return report
+
+
+def _checked_plan(p: Pass, meta: Transformer, where: str) -> PassPlan:
+    """Pass ``p``'s checks against the model and its plan; a ``ConfigError`` comes back naming the pass."""
+    try:
+        if patterns := getattr(p.options, "modules_to_not_convert", None):
+            check_patterns(patterns, meta)
+        p.check(meta)
+        return p.plan(meta)
+    except ConfigError as e:
+        raise PipelineValidationError(f"{where}: {e}") from None

@@ -26,7 +26,7 @@ import torch
 
 from compiler.errors import ConfigError
 from compiler.model.config import ModelConfig
-from compiler.pipeline.selection import meta_model
+from compiler.model.transformer import Transformer
 
 # The interpreter, torch, transformers, a tokenizer and a calibration corpus: 440 MiB measured for
 # a float compile, 490 MiB for the smallest AWQ one (benchmarks/streaming_memory.py).
@@ -84,9 +84,9 @@ def machine_limit() -> int:
     return min(physical, cgroup) if cgroup else physical
 
 
-def block_bytes(config: ModelConfig, dtype_bytes: int) -> tuple[int, int, int]:
-    """(all weights, the largest decoder block, embeddings + final norm + lm_head) in bytes."""
-    model = meta_model(config)
+def block_bytes(model: Transformer, dtype_bytes: int) -> tuple[int, int, int]:
+    """(all weights, the largest decoder block, embeddings + final norm + lm_head) in bytes of
+    ``model`` (on the meta device: its shapes are what count)."""
     unique = {id(p): p for p in model.parameters()}  # tied embeddings count once
     total = sum(p.numel() for p in unique.values()) * dtype_bytes
     largest = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers) * dtype_bytes
@@ -125,10 +125,10 @@ class MemoryPlan:
         return {"streamed": self.streamed, "total_bytes": self.total, "terms": self.terms()}
 
 
-def plan_memory(passes: list, config: ModelConfig, calibration, dtype: torch.dtype, streamed: bool) -> MemoryPlan:
-    """The estimated peak of running ``passes`` on a model of ``config`` (see the module docstring)."""
+def plan_memory(passes: list, model: Transformer, calibration, dtype: torch.dtype, streamed: bool) -> MemoryPlan:
+    """The estimated peak of running ``passes`` on ``model`` (on the meta device; see the module docstring)."""
     b = torch.empty(0, dtype=dtype).element_size()
-    total, largest, head = block_bytes(config, b)
+    total, largest, head = block_bytes(model, b)
     if streamed:
         weights = {"runtime": RUNTIME_BYTES, "embeddings, norm, lm_head": head, "two decoder blocks": 2 * largest}
     else:
@@ -137,7 +137,7 @@ def plan_memory(passes: list, config: ModelConfig, calibration, dtype: torch.dty
     names = [p.name for p in passes]
     for i, p in enumerate(passes):
         label = p.name if names.count(p.name) == 1 else f"passes[{i}] ({p.name})"
-        plan.passes[label] = p.working_memory(config, calibration, b, streamed)
+        plan.passes[label] = p.working_memory(model, calibration, b, streamed)
     return plan
 
 
@@ -168,10 +168,10 @@ def activation_terms(config: ModelConfig, samples: int, seq_len: int, batch: int
     return {"calibration activations": 2 * hidden, "block forward": forward}
 
 
-def converted_weights(config: ModelConfig, bytes_per_weight: float) -> int:
+def converted_weights(model: Transformer, bytes_per_weight: float) -> int:
     """What an in-memory compile holds beside the float model by its end: every block's converted
     weights (the float ones stay mapped from the checkpoint until the compile ends)."""
-    return int(config.n_layers * block_bytes(config, 1)[1] * bytes_per_weight)
+    return int(model.config.n_layers * block_bytes(model, 1)[1] * bytes_per_weight)
 
 
 def linear_inputs(config: ModelConfig) -> list[int]:

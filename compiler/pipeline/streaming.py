@@ -28,21 +28,24 @@ from compiler.formats.qlinear import quantized_modules
 from compiler.io.artifact import ArtifactRecord, dedupe_shared, finish_artifact
 from compiler.io.atomic import atomic_directory_write
 from compiler.io.shards import ShardWriter
-from compiler.io.stream import BlockReader, is_gguf, open_streamed, release_freed_memory
-from compiler.model.config import ModelConfig
+from compiler.io.load import Checkpoint
+from compiler.io.stream import BlockReader, open_streamed, release_freed_memory
+from compiler.io.types import parse_dtype
 from compiler.model.transformer import DecoderLayer, Transformer
-from compiler.pipeline import PassContext, PassReport, Pipeline, PipelineConfig
+from compiler.pipeline import CompilePlan, PassContext, PassReport, Pipeline
 from compiler.progress import track
 
 
-def streaming_blocker(pipeline: Pipeline, config: ModelConfig, path: Path) -> str | None:
-    """Why a compile of ``path`` with ``pipeline`` cannot stream, or None when it can."""
-    hf_dir = path.is_dir() and (path / "config.json").exists() and not (path / "manifest.json").exists()
-    if not (hf_dir or is_gguf(path)):
+def streaming_blocker(pipeline: Pipeline, plan: CompilePlan, checkpoint: Checkpoint) -> str | None:
+    """Why a compile of ``checkpoint`` with ``pipeline`` (validated into ``plan``) cannot stream, or
+    None when it can."""
+    path = checkpoint.path
+    if checkpoint.kind == "artifact":
         return f"{path.name} is not a Hugging Face checkpoint directory or a GGUF file (artifacts load whole)"
-    if hf_dir and not ((path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()):
+    safetensors = ("model.safetensors", "model.safetensors.index.json")
+    if checkpoint.kind == "hf" and not any((path / name).exists() for name in safetensors):
         return f"{path.name} holds no safetensors weights"
-    scopes = [(p.name, p.scope(config)) for p in pipeline.passes]
+    scopes = [(p.name, p.scope(plan.meta)) for p in pipeline.passes]
     whole = [name for name, scope in scopes if scope == "model"]
     if whole:
         return f"pass {whole[0]} needs the whole model in memory"
@@ -52,18 +55,18 @@ def streaming_blocker(pipeline: Pipeline, config: ModelConfig, path: Path) -> st
     return None
 
 
-def compile_streamed(path: Path, config: PipelineConfig, pipeline: Pipeline, out: Path,
+def compile_streamed(checkpoint: Checkpoint, pipeline: Pipeline, plan: CompilePlan, out: Path,
                      force: bool = False) -> list[PassReport]:
-    """Run ``pipeline`` (validated, streamable) over checkpoint ``path`` block by block and
+    """Run ``pipeline`` (validated into ``plan``, streamable) over ``checkpoint`` block by block and
     write the artifact ``out``; returns the passes' reports."""
-    from compiler.io.types import parse_dtype
-
-    reader = open_streamed(path, parse_dtype(config.model.dtype))
+    config = pipeline.config
+    reader = open_streamed(checkpoint, parse_dtype(config.model.dtype))
     reports: list[PassReport] = []
 
     def write(tmp: Path):
         shell = reader.shell()
-        context = PassContext(tokenizer=reader.tokenizer, calibration=config.calibration, target=config.target.name)
+        context = PassContext(tokenizer=reader.tokenizer, calibration=config.calibration, target=config.target.name,
+                              plan=plan)
         writer = ShardWriter(tmp, spool=True)
         blocks = _run_and_spool(pipeline, shell, reader, context, writer, reports)
         # The head (embeddings, norm, lm_head) goes where the model's state dict puts it: around the blocks.
@@ -82,9 +85,9 @@ def compile_streamed(path: Path, config: PipelineConfig, pipeline: Pipeline, out
         modules = {**{n: f for n, f in head_modules.items() if n in {k.rpartition(".")[0] for k in before}},
                    **blocks.modules, **head_modules}
         recipe = {**config.to_dict(), "passes": list(config.passes)}
-        record = ArtifactRecord(shell.config, shell.embed_tokens.weight.dtype, reader.tokenizer, reader.source, recipe,
+        record = ArtifactRecord(shell.config, shell.embed_tokens.weight.dtype, reader.source, recipe,
                                 [r.to_dict() for r in reports], context.manifest_extras)
-        finish_artifact(tmp, writer, order, aliases, modules, record)
+        finish_artifact(tmp, writer, order, aliases, modules, record, reader.tokenizer)
 
     atomic_directory_write(out, write, force)
     return reports
@@ -106,7 +109,7 @@ def _run_and_spool(pipeline: Pipeline, shell: Transformer, reader: BlockReader, 
     """Run the passes in order, the block pass over each block as it is read, and spool every
     block's tensors."""
     config = shell.config
-    scopes = [p.scope(config) for p in pipeline.passes]
+    scopes = [p.scope(context.plan.meta) for p in pipeline.passes]
     streamed = scopes.index("block") if "block" in scopes else None
     for i in range(len(pipeline.passes)) if streamed is None else range(streamed):
         reports.append(_run_whole(pipeline, i, shell, context))

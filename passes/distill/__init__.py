@@ -53,13 +53,13 @@ class DistillPass(Pass):
     Options = DistillOptions
     provides = frozenset({"distilled"})
 
-    def check(self, config) -> None:
+    def check(self, model) -> None:
         s = self.options.student
         if s and not s.startswith("keep_layers:"):
             raise DistillConfigError(f"student {s!r}: the pass trains the pipeline's model; use \"\" or \"keep_layers:...\" "
                                      "(to start from another checkpoint, use 'qcompile distill --student')")
         if s:
-            parse_keep_layers(s, config.n_layers)
+            parse_keep_layers(s, model.config.n_layers)
         if s and self.options.block_epochs:
             raise DistillConfigError("block_epochs needs a student as deep as the teacher, and keep_layers drops "
                                      "layers; set block_epochs = 0 for this student")
@@ -68,13 +68,13 @@ class DistillPass(Pass):
             raise DistillConfigError(f"{out} already holds training checkpoints; set resume = true (--resume) to "
                                      "continue, or choose another output_dir (-o)")
 
-    def working_memory(self, config, calibration, dtype_bytes, streamed) -> dict[str, int]:
+    def working_memory(self, model, calibration, dtype_bytes, streamed) -> dict[str, int]:
         # The whole model trains end to end (scope "model"): a float32 teacher, the gradients and
         # Adam's two moments of every parameter, and the logits of a batch (teacher, student, loss).
-        weights = block_bytes(config, 4)[0]
+        weights = block_bytes(model, 4)[0]
         tokens = self.options.batch_size * self.options.seq_len
         return {"teacher (float32)": weights, "gradients and optimizer state": 3 * weights,
-                "logits of a batch": 4 * tokens * config.vocab_size * 4}
+                "logits of a batch": 4 * tokens * model.config.vocab_size * 4}
 
     def run(self, model: torch.nn.Module, context: PassContext) -> PassReport:
         o = self.options

@@ -52,12 +52,11 @@ def distill_cmd(
     from qcompile.cli.console import out
 
     load_plugins()
-    config = distill_pipeline(teacher, student, output, target, options)
-    Pipeline(config)  # every option parsed before the (slow) loads
+    pipeline = Pipeline(distill_pipeline(teacher, student, output, target, options))  # options parsed before the (slow) loads
     if (output / "student").exists() and not force and not options["resume"]:
         raise ConfigError(f"{output / 'student'} already exists; choose another -o or pass --force")
     env = setup_distributed()
-    result = compile_loaded(load_student(student, teacher), config, output / "student", force=True)
+    result = compile_loaded(load_student(student, teacher), pipeline, output / "student", force=True)
     if not env.is_main:
         return
     figures = {**result.reports[-1].metrics, "artifact": str(result.path)}

@@ -33,14 +33,16 @@ def generate_cmd(
     from qcompile.cli.console import out as console
     from serving.engine import Engine
     from serving.engine_setup import describe_kernels
+    from serving.types import SamplingParams
 
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            stop=tuple(stop), ignore_eos=ignore_eos)  # refused here, before the model loads
     engine = Engine.from_artifact(artifact, check_device(device), **({"int4_compute": int4_compute} if int4_compute else {}))
 
     async def run() -> tuple[int, str, float | None]:
         n, reason, first = 0, "", None
         start = time.perf_counter()
-        async for event in engine.generate_stream(prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                                                  top_k=top_k, top_p=top_p, seed=seed, stop=stop, ignore_eos=ignore_eos):
+        async for event in engine.generate_stream(prompt=prompt, params=params):
             first = first if first is not None else time.perf_counter() - start
             n += len(event.token_ids)
             console.print(event.text, end="", markup=False, highlight=False, soft_wrap=True)
@@ -51,6 +53,7 @@ def generate_cmd(
     n, reason, ttft = asyncio.run(run())
     elapsed = time.perf_counter() - start
     console.print()
+    report = engine.load_report
     err.print(f"[dim]{n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s, first token {1000 * (ttft or 0):.0f} ms), finish: {reason}"
-              f"{', INT4: ' + engine.int4['compute'] if engine.int4 else ''}[/dim]")
-    err.print(f"[dim]kernels: {escape(describe_kernels(engine.kernels))}[/dim]")
+              f"{', INT4: ' + report.int4['compute'] if report.int4 else ''}[/dim]")
+    err.print(f"[dim]kernels: {escape(describe_kernels(report.kernels))}[/dim]")

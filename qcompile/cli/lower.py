@@ -1,31 +1,27 @@
 """``qcompile lower ARTIFACT --target T -o DIR``: one command for every target.
 
-Each backend registers its lowering with ``compiler.deploy.lowering.register_lowering`` together
-with the dataclass of its options; this command's target flags are the union of those fields
-(``--max-len``, ``--soc``, ``--device`` …, each help naming the targets that take it), so a new
-backend adds its flags without touching this file. A flag that the chosen target does not take is
-an error naming the target and the flags it does take, never silently ignored.
+Each backend registers its target (``compiler.deploy.targets.register_target``) with the dataclass
+of its lowering's options; this command's target flags are the union of those fields
+(``--max-len``, ``--soc``, ``--device`` …, each help naming the targets that take it), and it
+prints what the lowering returns (its layer table and notes), so a new backend adds its flags and
+notes without touching this file. A flag that the chosen target does not take is an error naming
+the target and the flags it does take, never silently ignored.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections import Counter
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
-from backends.ascend.atc import AtcNotFound
-from backends.gguf.export import file_notes
-from backends.onnx.bundle import BUNDLE_FILE, OnnxBundleInfo
-from backends.vllm.export import EXPORT_FILE
-from compiler.deploy.lowering import LOWERINGS, get_lowering, lower
-from compiler.errors import ConfigError
+from compiler.deploy.lowering import lower
+from compiler.deploy.targets import TARGETS, LowerResult, get_target
+from compiler.errors import ConfigError, LoweringIncomplete
 from qcompile import load_plugins
 from qcompile.cli.options import Flag, add_flags, dataclass_flags
 
-load_plugins()  # the backends register their lowerings, whose options become this command's flags
+load_plugins()  # the backends register their targets, whose lowering options become this command's flags
 
 
 def target_flags() -> list[Flag]:
@@ -33,8 +29,8 @@ def target_flags() -> list[Flag]:
     Each flag defaults to unset, so only what is given reaches the target's dataclass."""
     merged: dict[str, Flag] = {}
     helps: dict[str, dict[str, list[str]]] = {}
-    for target in sorted(LOWERINGS):
-        options = LOWERINGS[target].Options
+    for target in sorted(TARGETS):
+        options = TARGETS[target].Options
         defaults = {f.name: f.default for f in dataclasses.fields(options)}
         for flag in dataclass_flags(options):
             known = merged.setdefault(flag.name, flag)
@@ -54,7 +50,7 @@ FLAGS = target_flags()
 @add_flags(FLAGS)
 def lower_cmd(
     artifact: Path = typer.Argument(..., help="Artifact directory (from 'qcompile compile')."),
-    target: str = typer.Option(..., "--target", "-t", help=f"Deployment target: {', '.join(sorted(LOWERINGS))}."),
+    target: str = typer.Option(..., "--target", "-t", help=f"Deployment target: {', '.join(sorted(TARGETS))}."),
     output: Path = typer.Option(..., "-o", "--output", help="What to write: a folder (bundle, Triton model repository, "
                                                             "vLLM checkpoint) or, for gguf, the .gguf file."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output folder."),
@@ -66,24 +62,18 @@ def lower_cmd(
 
     check_target_flags(target, options)
     try:
-        path = lower(artifact, target, output, options, force)
-    except AtcNotFound:  # the bundle is written (the .om is left to a CANN host): show what it holds
-        _print_bundle(out, OnnxBundleInfo.read(output))
+        result = lower(artifact, target, output, options, force)
+    except LoweringIncomplete as e:  # written, but a last step is left to another host (the .om): show what it holds
+        if e.lowered is not None:
+            print_lowered(out, e.lowered)
         raise
-    if (Path(path) / BUNDLE_FILE).exists():
-        _print_bundle(out, OnnxBundleInfo.read(path))
-    if Path(path).suffix == ".gguf":
-        for note in file_notes(path):
-            out.print(f"note: {note}")
-    if (Path(path) / EXPORT_FILE).exists():  # a vLLM checkpoint
-        for note in json.loads((Path(path) / EXPORT_FILE).read_text()).get("notes", []):
-            out.print(f"note: {note}")
-    out.print(f"wrote [bold]{path}[/bold] (target {target})")
+    print_lowered(out, result)
+    out.print(f"wrote [bold]{result.path}[/bold] (target {target})")
 
 
 def check_target_flags(target: str, given: dict) -> None:
     """A one-line error for flags ``target`` does not take, naming the ones it does."""
-    takes = get_lowering(target).option_names()
+    takes = get_target(target).option_names()
     decl = {f.name: f.decl for f in FLAGS}
     foreign = [decl[name] for name in given if name not in takes]
     if foreign:
@@ -91,15 +81,14 @@ def check_target_flags(target: str, given: dict) -> None:
         raise ConfigError(f"--target {target} does not take {', '.join(foreign)}; its options: {valid}")
 
 
-def _print_bundle(console, info) -> None:
-    """How each layer was exported (ONNX/Ascend bundles), and the target's notes."""
-    counts = Counter(info.layers.values())
-    if counts:
+def print_lowered(console, result: LowerResult) -> None:
+    """How many layers were written each way (the targets that say), then the target's notes."""
+    if result.layers:
         table = Table(title="layers")
         table.add_column("exported as")
         table.add_column("layers", justify="right")
-        for how, n in sorted(counts.items()):
+        for how, n in sorted(result.layers.items()):
             table.add_row(how, str(n))
         console.print(table)
-    for note in info.extras.get("notes", []):
+    for note in result.notes:
         console.print(f"note: {note}")

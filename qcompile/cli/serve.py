@@ -82,8 +82,9 @@ def serve_llama_cpp(model: Path, host: str, port: int, log_file: Optional[Path],
         f"/v1/chat/completions)\n  bench      qcompile bench openai://{server.url}\nCtrl-C to stop"), "llama-server")
 
 
-class StopRequested(Exception):
-    """SIGTERM arrived: raised from the signal handler, so that it ends a server's start-up wait too."""
+class StopRequested(BaseException):
+    """SIGTERM arrived: raised from the signal handler, so that it ends a server's start-up wait too. A signal
+    like KeyboardInterrupt, not an error: no ``except Exception`` on the way may swallow it."""
 
 
 def _run_until_stopped(server, on_ready, what: str) -> None:

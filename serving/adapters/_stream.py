@@ -1,21 +1,25 @@
-"""The token loop shared by the runtime adapters: sample, detokenize, stop, stream (the text and its
-stop strings through ``serving.output_text``, as the engine's requests).
+"""Driving the one token loop (``serving.request.Request``) from a runtime that is not the engine.
 
 An adapter wraps its runtime as a ``TokenModel`` (prefill a prompt, then decode one token at a
-time against its own KV cache) and gets ``ServingAdapter.generate`` semantics from ``stream_tokens``.
-Each request's sampling, detokenizing and stopping is a ``TokenStream``, so an adapter that decodes
-many requests in one batch (``onnx_batch.py``) gives each the same semantics.
+time against its own KV cache); ``admit`` turns a prompt into a ``Request`` whose token budget
+fits that cache, and ``stream_tokens`` (async) or ``token_events`` (the same loop, synchronous)
+feed the model's logits to it. The ONNX Runtime batcher (``onnx_batch.py``) feeds many requests
+from one batched call instead; every runtime's sampling, stop strings and EOS are the Request's.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Protocol
+import dataclasses
+import itertools
+from typing import AsyncIterator, Iterator, Protocol
 
 import numpy as np
 
 from compiler.errors import ConfigError
-from serving.output_text import OutputText
+from serving.request import Request
 from serving.types import SamplingParams, StreamEvent
+
+_ids = itertools.count()
 
 
 class TokenModel(Protocol):
@@ -30,26 +34,6 @@ class TokenModel(Protocol):
         ...
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """Greedy when temperature is 0; otherwise temperature, then top-k, then top-p (nucleus)."""
-    if params.temperature == 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / params.temperature
-    if params.top_k:
-        kth = np.partition(z, -params.top_k)[-params.top_k]
-        z = np.where(z < kth, -np.inf, z)
-    probs = np.exp(z - z.max())
-    probs /= probs.sum()
-    if params.top_p < 1.0:
-        order = np.argsort(-probs)
-        keep = np.cumsum(probs[order]) - probs[order] < params.top_p  # smallest set reaching top_p
-        mask = np.zeros_like(probs, dtype=bool)
-        mask[order[keep]] = True
-        probs = np.where(mask, probs, 0.0)
-        probs /= probs.sum()
-    return int(rng.choice(len(probs), p=probs))
-
-
 def encode(prompt: str | list[int], tokenizer) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -58,58 +42,30 @@ def encode(prompt: str | list[int], tokenizer) -> list[int]:
     return list(prompt)
 
 
-class TokenStream:
-    """One request's side of generation, fed one logits vector at a time: sample the next token,
-    detokenize it, and decide whether the request is done (EOS, a stop string, its token budget).
-    ``stream_tokens`` drives one with a ``TokenModel``; the ONNX Runtime batcher drives many at once."""
-
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer, eos_token_ids: list[int], max_len: int):
-        room = max_len - len(prompt_ids)
-        if not prompt_ids or room < 1:
-            raise ConfigError(f"prompt of {len(prompt_ids)} tokens does not fit the cache (max_len={max_len}) "
-                              "with room to generate; shorten it or lower the model with a larger --max-len")
-        self.prompt_ids, self.params, self.tokenizer, self.eos_token_ids = prompt_ids, params, tokenizer, eos_token_ids
-        self.budget = min(params.max_tokens, room)
-        self.rng = np.random.default_rng(params.seed)
-        self.generated: list[int] = []
-        self.output = OutputText(tokenizer, params.stop)
-        self.finished = False
-
-    @property
-    def text(self) -> str:
-        """The output text so far, cut at a stop string."""
-        return self.output.text
-
-    @property
-    def token(self) -> int:
-        """The last token sampled: what the next decode step feeds."""
-        return self.generated[-1]
-
-    def next(self, logits: np.ndarray) -> StreamEvent:
-        """The event for the token sampled from ``logits`` [V]; the last event carries a finish reason."""
-        params = self.params
-        token = sample(logits, params, self.rng)
-        self.generated.append(token)  # EOS included, as the engine counts it
-        eos = token in self.eos_token_ids and not params.ignore_eos
-        last = eos or len(self.generated) == self.budget
-        text, stopped = self.output.update(self.generated, final=last)
-        reason = "stop" if eos or stopped else "length" if last else None
-        event = StreamEvent([token], text, reason)
-        return self._finish(event) if reason else event
-
-    def _finish(self, event: StreamEvent) -> StreamEvent:
-        self.finished = True
-        return event
+def admit(prompt_ids: list[int], params: SamplingParams, tokenizer, eos_token_ids: list[int], max_len: int) -> Request:
+    """A request for a runtime whose cache holds ``max_len`` tokens: refused when the prompt leaves
+    no room to generate, its token budget cut to the room left (it then ends with "length")."""
+    room = max_len - len(prompt_ids)
+    if not prompt_ids or room < 1:
+        raise ConfigError(f"prompt of {len(prompt_ids)} tokens does not fit the cache (max_len={max_len}) "
+                          "with room to generate; shorten it or lower the model with a larger --max-len")
+    params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+    return Request(f"req-{next(_ids)}", prompt_ids, params, eos_token_ids, tokenizer)
 
 
-async def stream_tokens(model: TokenModel, prompt_ids: list[int], params: SamplingParams, tokenizer,
-                        eos_token_ids: list[int]) -> AsyncIterator[StreamEvent]:
-    """Generate from ``prompt_ids``; one event per token, the last with its finish reason."""
-    stream = TokenStream(prompt_ids, params, tokenizer, eos_token_ids, model.max_len)
-    logits = await asyncio.to_thread(model.prefill, prompt_ids)
+def token_events(model: TokenModel, request: Request) -> Iterator[StreamEvent]:
+    """Generate ``request`` on ``model``: one event per token, the last with its finish reason.
+    A consumer that stops iterating stops the decoding (nothing runs ahead of it)."""
+    logits = model.prefill(request.prompt_token_ids)
     while True:
-        event = stream.next(logits)
-        yield event
-        if stream.finished:
+        yield request.next(logits)
+        if request.finished:
             return
-        logits = await asyncio.to_thread(model.decode, stream.token)
+        logits = model.decode(request.last_token)
+
+
+async def stream_tokens(model: TokenModel, request: Request) -> AsyncIterator[StreamEvent]:
+    """``token_events`` with each model call in a worker thread, so the event loop stays free."""
+    events = token_events(model, request)
+    while (event := await asyncio.to_thread(next, events, None)) is not None:
+        yield event

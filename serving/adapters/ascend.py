@@ -22,7 +22,7 @@ import numpy as np
 from backends.onnx.bundle import OnnxBundleInfo
 from compiler.errors import ArtifactError, ConfigError, QCompileError
 from compiler.io.types import load_tokenizer
-from serving.adapters._stream import encode, stream_tokens
+from serving.adapters._stream import admit, encode, stream_tokens
 from serving.types import SamplingParams, StreamEvent
 
 
@@ -126,9 +126,10 @@ class AscendAdapter:
         return cls(bundle_dir)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[StreamEvent]:
-        ids = encode(prompt, self.tokenizer)
+        model = self.model
+        request = admit(encode(prompt, self.tokenizer), params, self.tokenizer, model.info.eos_token_ids, model.max_len)
         async with self._lock:
-            async for event in stream_tokens(self.model, ids, params, self.tokenizer, self.model.info.eos_token_ids):
+            async for event in stream_tokens(model, request):
                 yield event
 
     async def close(self) -> None:

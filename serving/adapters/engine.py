@@ -1,6 +1,7 @@
 """The in-process adapter: ``ServingAdapter`` over ``serving.Engine`` (no server, no network)."""
 from __future__ import annotations
 
+from contextlib import aclosing
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -22,10 +23,9 @@ class EngineAdapter:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[StreamEvent]:
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-        async for event in self.engine.generate_stream(
-                prompt=text, prompt_token_ids=ids, max_tokens=params.max_tokens, temperature=params.temperature,
-                top_k=params.top_k, top_p=params.top_p, seed=params.seed, stop=params.stop, ignore_eos=params.ignore_eos):
-            yield event
+        async with aclosing(self.engine.generate_stream(prompt=text, prompt_token_ids=ids, params=params)) as events:
+            async for event in events:  # closed with this one: a client that leaves aborts the request at once
+                yield event
 
     async def close(self) -> None:
         """Abort whatever is still in flight."""

@@ -9,6 +9,7 @@ its requests are served one at a time (a lock queues the rest).
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from backends.onnx.runner import OnnxRunner
 from compiler.io.types import load_tokenizer
-from serving.adapters._stream import encode, stream_tokens
+from serving.adapters._stream import admit, encode, stream_tokens
 from serving.adapters.onnx_batch import ContinuousBatcher
 from serving.types import SamplingParams, StreamEvent
 
@@ -55,14 +56,15 @@ class OnnxRuntimeAdapter:
         return cls(bundle_dir)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[StreamEvent]:
-        ids = encode(prompt, self.tokenizer)
-        eos = self.runner.info.eos_token_ids
+        info = self.runner.info
+        request = admit(encode(prompt, self.tokenizer), params, self.tokenizer, info.eos_token_ids, info.max_len)
         if self.batcher is not None:
-            async for event in self.batcher.generate(ids, params, self.tokenizer, eos):
-                yield event
+            async with aclosing(self.batcher.generate(request)) as events:  # a client that leaves frees its row now
+                async for event in events:
+                    yield event
             return
         async with self._lock:
-            async for event in stream_tokens(_RunnerModel(self.runner), ids, params, self.tokenizer, eos):
+            async for event in stream_tokens(_RunnerModel(self.runner), request):
                 yield event
 
     async def close(self) -> None:

@@ -13,9 +13,9 @@ finished ones go. The running rows stay packed at the front of the cache (the la
 positions are copied into a finished row's place), so each call binds rows 0..n-1 as one
 contiguous [n, Hkv, L, D] view of the cache, with no slot left idle in it.
 
-Each request samples, detokenizes and stops through its own ``TokenStream``, as one request
-served alone does: given the same logits it yields the same events (greedy tokens identical:
-tests/serving/adapters/test_onnx_serving.py).
+Each request samples, detokenizes and stops through its own ``serving.request.Request`` (the
+one token loop), as one request served alone does: given the same logits it yields the same
+events (greedy tokens identical: tests/serving/adapters/test_onnx_serving.py).
 """
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ import numpy as np
 
 from backends.onnx.runner import OnnxRunner
 from compiler.errors import ConfigError
-from serving.adapters._stream import TokenStream
-from serving.types import SamplingParams, StreamEvent
+from serving.request import Request
+from serving.types import StreamEvent
 
 
 @dataclass(eq=False)
-class _Request:
-    stream: TokenStream
+class _Row:
+    request: Request
     events: asyncio.Queue  # StreamEvent, or the exception that ended it
     length: int = 0  # tokens in its cache row
     cancelled: bool = False  # its consumer stopped reading: the row is freed after the current step
@@ -51,38 +51,36 @@ class ContinuousBatcher:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
         self.runner, self.max_batch = runner, max_batch
         self.cache = runner.new_cache(max_batch)
-        self.waiting: deque[_Request] = deque()
-        self.running: list[_Request] = []  # running[i] owns cache row i
+        self.waiting: deque[_Row] = deque()
+        self.running: list[_Row] = []  # running[i] owns cache row i
         self.largest_batch = 0  # the most rows one decode call has had (tests and benchmarks read it)
         self._task: asyncio.Task | None = None
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, tokenizer,
-                       eos_token_ids: list[int]) -> AsyncIterator[StreamEvent]:
-        """One request's events, as ``stream_tokens`` yields them; a prompt that does not fit is refused at once."""
-        request = _Request(TokenStream(prompt_ids, params, tokenizer, eos_token_ids, self.runner.info.max_len),
-                           asyncio.Queue())
-        self.waiting.append(request)
+    async def generate(self, request: Request) -> AsyncIterator[StreamEvent]:
+        """One request's events, as ``stream_tokens`` yields them (``_stream.admit`` has fitted it to the cache)."""
+        row = _Row(request, asyncio.Queue())
+        self.waiting.append(row)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
         try:
             while True:
-                item = await request.events.get()
+                item = await row.events.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
                 if item.finish_reason is not None:
                     return
         finally:
-            request.cancelled = True  # harmless once finished; frees the row of a consumer that left early
+            row.cancelled = True  # harmless once finished; frees the row of a consumer that left early
 
     async def close(self) -> None:
         """Stop the loop; every request still in flight ends with an "abort" event."""
         if self._task is not None:
             self._task.cancel()
-        for request in [*self.running, *self.waiting]:
-            if not request.cancelled:
-                request.events.put_nowait(StreamEvent(finish_reason="abort"))
-            request.cancelled = True
+        for row in [*self.running, *self.waiting]:
+            if not row.cancelled:
+                row.events.put_nowait(StreamEvent(finish_reason="abort"))
+            row.cancelled = True
         self.running, self.waiting = [], deque()
 
     async def _run(self) -> None:
@@ -95,25 +93,25 @@ class ContinuousBatcher:
     async def _admit(self) -> None:
         """Prefill waiting requests into the free rows, one graph call each, and deliver their first tokens."""
         while self.waiting and len(self.running) < self.max_batch:
-            request = self.waiting.popleft()
-            if request.cancelled:
+            row = self.waiting.popleft()
+            if row.cancelled:
                 continue
-            ids = np.array([request.stream.prompt_ids], np.int64)
-            row = len(self.running)
-            self.running.append(request)
+            ids = np.array([row.request.prompt_token_ids], np.int64)
+            index = len(self.running)
+            self.running.append(row)
             try:
-                logits = await asyncio.to_thread(self.runner.prefill_row, self.cache, row, ids)
+                logits = await asyncio.to_thread(self.runner.prefill_row, self.cache, index, ids)
             except Exception as e:  # noqa: BLE001 -- this request's failure is delivered to it, the others go on
-                self._fail([request], e)
+                self._fail([row], e)
                 continue
-            request.length = ids.shape[1]
-            self._deliver(request, logits[0, -1])
+            row.length = ids.shape[1]
+            self._deliver(row, logits[0, -1])
         self._release()
 
     async def _step(self) -> None:
         """One decode call for every running row, then their next tokens."""
         rows = list(self.running)
-        ids = np.array([[r.stream.token] for r in rows], np.int64)
+        ids = np.array([[r.request.last_token] for r in rows], np.int64)
         past_lens = np.array([r.length for r in rows], np.int64)
         self.largest_batch = max(self.largest_batch, len(rows))
         try:
@@ -121,24 +119,24 @@ class ContinuousBatcher:
         except Exception as e:  # noqa: BLE001 -- every request in the call gets the error; none waits forever
             self._fail(rows, e)
             return
-        for i, request in enumerate(rows):
-            request.length += 1
-            self._deliver(request, logits[i, -1])
+        for i, row in enumerate(rows):
+            row.length += 1
+            self._deliver(row, logits[i, -1])
         self._release()
 
-    def _deliver(self, request: _Request, logits: np.ndarray) -> None:
-        if not request.cancelled:
-            request.events.put_nowait(request.stream.next(logits))
+    def _deliver(self, row: _Row, logits: np.ndarray) -> None:
+        if not row.cancelled:
+            row.events.put_nowait(row.request.next(logits))
 
-    def _fail(self, requests: list[_Request], error: Exception) -> None:
-        for request in requests:
-            request.events.put_nowait(error)
-            request.cancelled = True
+    def _fail(self, rows: list[_Row], error: Exception) -> None:
+        for row in rows:
+            row.events.put_nowait(error)
+            row.cancelled = True
         self._release()
 
     def _release(self) -> None:
         """Drop finished and abandoned rows; the last row moves into each gap, keeping rows 0..n-1 packed."""
-        gone = [i for i, r in enumerate(self.running) if r.cancelled or r.stream.finished]
+        gone = [i for i, r in enumerate(self.running) if r.cancelled or r.request.finished]
         for i in reversed(gone):  # from the back, so the row moved in is never one that is leaving
             last = len(self.running) - 1
             if i != last:

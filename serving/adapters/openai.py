@@ -20,13 +20,12 @@ from __future__ import annotations
 import json
 from typing import AsyncIterator
 
-from compiler.errors import QCompileError
-from serving.types import SamplingParams, StreamEvent
+from serving.types import RequestError, SamplingParams, StreamEvent
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort", "content_filter": "stop"}
 
 
-class OpenAIRequestError(QCompileError):
+class OpenAIRequestError(RequestError):
     """The server refused a request, or streamed something that is not an OpenAI completion."""
 
 

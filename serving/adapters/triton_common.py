@@ -6,11 +6,11 @@ backend convention): ``text_input`` or ``input_ids``, ``max_tokens``, sampling p
 """
 from __future__ import annotations
 
-from serving.types import SamplingParams, StreamEvent
+from serving.types import RequestError, SamplingParams, StreamEvent
 
 
-class TritonRequestError(RuntimeError):
-    """The server answered a request with an error (its message is Triton's)."""
+class TritonRequestError(RequestError):
+    """The server answered a request with an error (its message is Triton's): a user error at the CLI."""
 
 
 def request_fields(prompt: str | list[int], params: SamplingParams, stream: bool) -> dict:

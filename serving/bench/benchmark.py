@@ -58,10 +58,13 @@ def run_benchmark(target: str, workload: WorkloadConfig, loads: list[LoadConfig]
     if not runs:
         raise BenchError("no request finished; nothing was measured")
     engine = getattr(adapter, "engine", None)  # the in-process engine: what its forward runs, ISA level included
+    # its scheduler's counters over the whole sweep, warm-up included (prompt tokens served from the prefix cache, ...)
+    stats = getattr(getattr(engine, "scheduler", None), "stats", None)
     result = make_result(target, getattr(adapter, "name", type(adapter).__name__), environment(targets.artifact_dir(parsed)),
                          {**workload.describe(), "repeat": repeat, "stream": stream,
                           **({"engine_plan": engine_plan} if engine_plan else {}),
-                          **({"engine_kernels": engine.kernels} if engine is not None else {})}, slos, runs, interrupted)
+                          **({"engine_kernels": engine.load_report.kernels} if engine is not None else {}),
+                          **({"engine_stats": dict(vars(stats))} if stats is not None else {})}, slos, runs, interrupted)
     _check_failures(result)
     return result
 

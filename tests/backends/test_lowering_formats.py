@@ -182,7 +182,7 @@ def test_kv_cache_lowers_exactly_to_onnx(kv_bundle):
     want = [model(ids[:, :9], torch.arange(9)[None], cache)]
     want += [model(ids[:, t:t + 1], torch.tensor([[t]]), cache) for t in range(9, 24)]
     errors = [rel_error(g, w.numpy()) for g, w in zip(got, want)]
-    print(f"ONNX vs torch with {loaded.manifest['kv_cache']['dtype']} KV: max relative error {max(errors):.1e}")
+    print(f"ONNX vs torch with {loaded.manifest.kv_cache['dtype']} KV: max relative error {max(errors):.1e}")
     assert max(errors) < BOUND
     saved = without_kv_rounding(model)
     try:
@@ -198,7 +198,7 @@ def test_bundle_reports_the_kv_cache(kv_bundle):
     loaded, info, _ = kv_bundle
     kv = {name: how for name, how in info.layers.items() if name.endswith(".kv_cache")}
     assert set(kv) == {f"layers.{i}.self_attn.kv_cache" for i in range(loaded.model.config.n_layers)}
-    dtype = loaded.manifest["kv_cache"]["dtype"]
+    dtype = loaded.manifest.kv_cache["dtype"]
     assert all(how.startswith(f"K/V rounded through {dtype}") for how in kv.values())
 
 
@@ -352,7 +352,7 @@ def test_vllm_exports_a_float_artifact_with_a_serving_plan(float_artifact, tmp_p
 
     from backends.vllm.export import EXPORT_FILE
 
-    out = lower(float_artifact, "vllm", tmp_path / "out")
+    out = lower(float_artifact, "vllm", tmp_path / "out").path
     record = json.loads((out / EXPORT_FILE).read_text())
     assert record["serving"] == read_raw_manifest(float_artifact)["serving"] and record["serving"]["block_size"] == 8
 
@@ -373,5 +373,5 @@ def test_gguf_refuses_a_serving_plan_kv_dtype_llama_cpp_cannot_hold(float_artifa
 
 
 def test_gguf_lowers_a_float_artifact_with_a_serving_plan(float_artifact, tmp_path):
-    out = lower(float_artifact, "gguf", tmp_path / "out.gguf")
+    out = lower(float_artifact, "gguf", tmp_path / "out.gguf").path
     assert out.is_file() and out.stat().st_size > 0

@@ -37,7 +37,7 @@ def mixed(tmp_path_factory, byte_tokenizer):
     byte_tokenizer.save_pretrained(root / "ckpt")
     artifact = compile_model(root / "ckpt", PipelineConfig.from_dict(MIXED), root / "artifact").path
     loaded = load_artifact(artifact)
-    formats = {n: m["format"] for n, m in loaded.manifest["modules"].items()}
+    formats = {n: m["format"] for n, m in loaded.manifest.modules.items()}
     assert set(formats.values()) == {"int4", "int8"}, formats
     return artifact, loaded, formats
 
@@ -49,7 +49,7 @@ def read_tensors(path) -> dict[str, torch.Tensor]:
 
 def test_vllm_writes_one_config_group_per_scheme(mixed, tmp_path):
     artifact, loaded, formats = mixed
-    out = lower(artifact, "vllm", tmp_path / "vllm")
+    out = lower(artifact, "vllm", tmp_path / "vllm").path
     groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"].values()
     by_bits = {g["weights"]["num_bits"]: g for g in groups}
     assert len(groups) == 2 and sorted(by_bits) == [4, 8]
@@ -69,7 +69,7 @@ def test_vllm_writes_one_config_group_per_scheme(mixed, tmp_path):
 
 def test_gguf_holds_int4_as_q4_1_and_int8_as_q8_0(mixed, tmp_path):
     artifact, loaded, formats = mixed
-    out = lower(artifact, "gguf", tmp_path / "m.gguf")
+    out = lower(artifact, "gguf", tmp_path / "m.gguf").path
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
     int8 = [n for n, f in formats.items() if f == "int8"]
     assert {types[n] for n in types if n.startswith("blk.") and n.endswith(".weight") and "norm" not in n} == {"Q4_1", "Q8_0"}
@@ -105,7 +105,7 @@ def test_onnx_runs_the_mix(mixed, tmp_path):
     from compiler.kernels.int4_cpu import reference_only
 
     artifact, loaded, formats = mixed
-    out = lower(artifact, "onnx", tmp_path / "onnx", {"accuracy_level": 0})
+    out = lower(artifact, "onnx", tmp_path / "onnx", {"accuracy_level": 0}).path
     layers = json.loads((out / "bundle.json").read_text())["layers"]
     assert sum("MatMulNBits" in str(v) for v in layers.values()) == sum(f == "int4" for f in formats.values())
     assert sum("dequantized int8" in str(v) for v in layers.values()) == sum(f == "int8" for f in formats.values())
@@ -117,7 +117,7 @@ def test_onnx_runs_the_mix(mixed, tmp_path):
 
 def test_triton_serves_the_mix(mixed, tmp_path):
     artifact, _, _ = mixed
-    assert (lower(artifact, "triton", tmp_path / "repo", {"name": "m"}) / "config.pbtxt").exists()
+    assert (lower(artifact, "triton", tmp_path / "repo", {"name": "m"}).path / "config.pbtxt").exists()
 
 
 def test_ascend_builds_the_om_from_dequantized_weights_without_a_vllm_ascend_directory(mixed, tmp_path, monkeypatch):

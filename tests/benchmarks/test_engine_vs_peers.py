@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+pytest_plugins = ["bench_scripts"]  # the fixtures: run_script, tiny_artifact, tiny_int4_artifact
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +55,17 @@ def test_plot_draws_rows_without_a_figure(peers, tmp_path):
                              "broken": [{"error": "RuntimeTimeout: y"}]})
     peers.plot(rows, tmp_path / "plots" / "peers.png")
     assert (tmp_path / "plots" / "peers.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_smoke_engine_and_onnx_rows(run_script, tiny_artifact, tiny_int4_artifact, tmp_path):
+    """The script on the tiny model: float, INT4 as W4A8 and W4A16 in the engine, INT4 lowered to ONNX
+    Runtime (the peers that need vLLM, llama.cpp or onnxruntime-genai are left out)."""
+    doc = run_script("engine_vs_peers", "--float", tiny_artifact, "--int4", tiny_int4_artifact, "--w4a16", "--onnx",
+                     "--prompt-len", 8, "--output-len", 4, "--single-requests", 2, "--threads", 1,
+                     "--work-dir", tmp_path, "--json", tmp_path / "out.json", "--plot", tmp_path / "out.png")
+    rows = {r["runtime"]: r for r in doc["rows"]}
+    assert list(rows) == ["qcompile float32", "qcompile AWQ INT4, W4A8", "qcompile AWQ INT4, W4A16",
+                          "qcompile AWQ INT4 → ONNX Runtime"]
+    assert all(r["errors"] == [] and r["ms_per_token_c1"] > 0 and r["tok_s_c16"] > 0 for r in rows.values())
+    assert rows["qcompile float32"]["speedup_c1_vs_float"] == 1.0
+    assert (tmp_path / "out.png").is_file() and doc["schema"] == "qcompile.benchmark"

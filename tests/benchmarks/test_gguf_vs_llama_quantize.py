@@ -141,3 +141,24 @@ def test_a_failed_qcompile_row_fails_its_goals(bench):
             {"model": "smollm2", "type": "q4_0", "method": "qcompile", "error": "RuntimeError: cannot load"}]
     checks = bench.goal_checks(rows)
     assert len(checks) == 3 and not any(c["holds"] for c in checks)
+
+
+def test_table_keeps_failed_rows_and_missing_figures(bench):
+    rows = [{"model": "m", "type": "f32", "method": "float", "size_bytes": 2_000_000,
+             "quality": {"pydoc": {"ppl": 9.956}, "stdlib-docs": {"ppl": 11.755}}, "ms_per_token": None},
+            {**_row("q4_0", "qcompile", (10.5, 12.5), (0.077, 0.076)), "size_bytes": 1_000_000, "ms_per_token": 6.25},
+            {"model": "m", "type": "q4_0", "method": "llama.cpp", "size_bytes": 0, "error": "RuntimeError: x"}]
+    lines = bench.table(rows, decode_threads=1).splitlines()
+    assert lines[0].endswith("| ms/token (1 threads) |") and len(lines) == 5
+    assert lines[2] == "| m | f32 | float | 2.0 | 9.956 | 11.755 | - | - | - | - | - | - | - |"
+    assert lines[3].startswith("| smollm2 | q4_0 | qcompile | 1.0 | 10.500 | 12.500 | 0.0770 | 0.0760 |")
+    assert lines[3].endswith("| 6.25 |") and lines[4].endswith("ERROR: RuntimeError: x")
+
+
+def test_steps_reuse_what_exists(bench, tmp_path):
+    done = []
+    steps = bench.Steps(force=False)
+    assert steps("make", [tmp_path / "a"], lambda: (done.append(1), (tmp_path / "a").write_text("")))
+    assert not steps("make again", [tmp_path / "a"], done.append, 2)
+    assert bench.Steps(force=True)("forced", [tmp_path / "a"], done.append, 3)
+    assert done == [1, 3] and steps.seconds["make again"] == "reused"

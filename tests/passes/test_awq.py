@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import passes  # noqa: F401  (registers awq)
-from compiler.deploy.targets import TARGETS, TargetSpec, register_target
+from compiler.deploy.targets import TARGETS, Target, register_target
 from compiler.errors import ConfigError, PipelineValidationError
 from compiler.formats.int4 import Int4Linear, pack_int4, pack_zeros, unpack_int4, unpack_zeros
 from compiler.io.artifact import load_artifact
@@ -21,6 +21,7 @@ from compiler.model.config import ModelConfig
 from compiler.pipeline import Pipeline, PipelineConfig
 from compiler.pipeline.calibration import TokenSampler
 from compiler.pipeline.compile import compile_model
+from compiler.pipeline.selection import meta_model
 from compiler.quant.int4 import (
     choose_qparams,
     dequantize,
@@ -99,7 +100,7 @@ def test_scale_folding_leaves_float_model_unchanged(tiny_checkpoint_with_tokeniz
     with torch.no_grad():
         before = model(ids)
         opts = AWQOptions(group_size=32)
-        plans, _ = plan_layers(model.config, opts)
+        plans, _ = plan_layers(model, opts)
         # 1) the searched scales (module scoring included: it must restore every weight it tries),
         #    folded by the pass's own code
         alphas = []
@@ -124,22 +125,22 @@ def test_scale_folding_leaves_float_model_unchanged(tiny_checkpoint_with_tokeniz
 
 
 def test_group_size_policies_resolve_per_layer():
-    fallback, _ = plan_layers(SMOLLM2_LIKE, AWQOptions(group_size=128))
+    fallback, _ = plan_layers(meta_model(SMOLLM2_LIKE), AWQOptions(group_size=128))
     assert fallback["layers.0.self_attn.q_proj"].group_size == 64
     assert "128 does not divide in_features 576" in fallback["layers.0.self_attn.q_proj"].reason
     assert fallback["layers.1.mlp.down_proj"].group_size == 128  # 1536 = 12 * 128
     assert "lm_head" not in fallback
-    pad, _ = plan_layers(SMOLLM2_LIKE, AWQOptions(group_size=128, group_size_policy="pad"))
+    pad, _ = plan_layers(meta_model(SMOLLM2_LIKE), AWQOptions(group_size=128, group_size_policy="pad"))
     assert pad["layers.0.mlp.up_proj"].group_size == 128
     assert pad["layers.0.mlp.up_proj"].format(True)["padded_in_features"] == 640
-    g256, _ = plan_layers(SMOLLM2_LIKE, AWQOptions(group_size=256))
+    g256, _ = plan_layers(meta_model(SMOLLM2_LIKE), AWQOptions(group_size=256))
     assert g256["layers.0.self_attn.o_proj"].group_size == 64  # 576 = 9 * 64, 128 and 256 do not divide
     assert g256["layers.0.mlp.down_proj"].group_size == 256
 
 
 def test_group_size_policy_error_names_every_offending_layer():
     with pytest.raises(ConfigError) as e:
-        plan_layers(SMOLLM2_LIKE, AWQOptions(group_size=128, group_size_policy="error"))
+        plan_layers(meta_model(SMOLLM2_LIKE), AWQOptions(group_size=128, group_size_policy="error"))
     msg = str(e.value)
     for suffix in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"):
         assert f"layers.{{0-1}}.{suffix}" in msg
@@ -148,14 +149,14 @@ def test_group_size_policy_error_names_every_offending_layer():
     odd = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, dim=80, n_layers=1, n_heads=4, n_kv_heads=4,
                       intermediate_size=64)
     with pytest.raises(ConfigError, match=r"in_features 80.*group_size_policy = \"pad\""):
-        plan_layers(odd, AWQOptions(group_size=64))
+        plan_layers(meta_model(odd), AWQOptions(group_size=64))
 
 
 def test_modules_to_not_convert_reads_as_it_does_for_every_pass():
-    plans, excluded = plan_layers(SMOLLM2_LIKE, AWQOptions(modules_to_not_convert=["lm_head", "self_attn"]))
+    plans, excluded = plan_layers(meta_model(SMOLLM2_LIKE), AWQOptions(modules_to_not_convert=["lm_head", "self_attn"]))
     assert sorted(plans) == sorted(f"layers.{i}.mlp.{m}" for i in (0, 1) for m in ("gate_proj", "up_proj", "down_proj"))
     assert excluded["layers.1.self_attn.o_proj"] == "self_attn" and excluded["lm_head"] == "lm_head"
-    plans, _ = plan_layers(SMOLLM2_LIKE, AWQOptions(modules_to_not_convert=["layers.*.mlp.down_proj", "layers.0"]))
+    plans, _ = plan_layers(meta_model(SMOLLM2_LIKE), AWQOptions(modules_to_not_convert=["layers.*.mlp.down_proj", "layers.0"]))
     assert sorted(plans) == sorted([f"layers.1.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                               "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")] + ["lm_head"])
     with pytest.raises(PipelineValidationError, match=r"passes\[0\] \(awq\): modules_to_not_convert pattern "
@@ -168,13 +169,14 @@ def test_modules_to_not_convert_reads_as_it_does_for_every_pass():
 def test_pipeline_validation_uses_resolved_group_sizes():
     with pytest.raises(PipelineValidationError, match="layers.{0-1}.self_attn.q_proj"):
         Pipeline(pipeline_config(group_size=128, group_size_policy="error")).validate(SMOLLM2_LIKE)
-    register_target(TargetSpec("test-no-g64", "rejects group size 64 (test double)",
-                               lambda module, fmt: "group size 64 unsupported" if fmt.get("group_size") == 64 else None))
+    register_target(Target("test-no-g64", "rejects group size 64 (test double)",
+                           lambda module, fmt: "group size 64 unsupported" if fmt.get("group_size") == 64 else None,
+                           lower=None))  # validation only
     try:
         # g128 resolves to 64 on the 576-wide layers: the target must reject it before any work.
         with pytest.raises(PipelineValidationError, match="test-no-g64.*q_proj: group size 64 unsupported"):
             Pipeline(pipeline_config(group_size=128, target="test-no-g64")).validate(SMOLLM2_LIKE)
-        formats = Pipeline(pipeline_config(group_size=128, group_size_policy="pad", target="test-no-g64")).validate(SMOLLM2_LIKE)
+        formats = Pipeline(pipeline_config(group_size=128, group_size_policy="pad", target="test-no-g64")).validate(SMOLLM2_LIKE).formats
         assert {f["group_size"] for f in formats.values()} == {128}
     finally:
         TARGETS.pop("test-no-g64")
@@ -201,7 +203,7 @@ def test_awq_artifact_reloads_with_same_logits(tiny_checkpoint_with_tokenizer, t
     q = layers["layers.0.self_attn.q_proj"]
     assert q.format == "int4" and q.reason == "requested"
     assert {"group_size", "alpha", "clip_ratio", "rel_error_rtn", "output_error"} <= set(q.metrics)
-    rows = load_artifact(tmp_path / "awq").manifest["passes"][0]["layers"]  # serialised as they are
+    rows = load_artifact(tmp_path / "awq").manifest.reports[0]["layers"]  # serialised as they are
     assert rows == [dataclasses.asdict(r) for r in report.layers]
     assert report.metrics["layers_quantized"] == 14
     assert report.metrics["mean_output_error"] < report.metrics["mean_rel_error_rtn"]
@@ -237,7 +239,7 @@ def test_lm_head_let_through_is_quantized_last_and_reloads(tiny_checkpoint_with_
     assert head.metrics["output_error"] < head.metrics["rel_error_rtn"]
     reloaded = load_artifact(tmp_path / "awq")
     model = reloaded.model
-    assert reloaded.manifest["modules"]["lm_head"]["format"] == "int4"
+    assert reloaded.manifest.modules["lm_head"]["format"] == "int4"
     assert torch.equal(model.embed_tokens.weight, float_model.embed_tokens.weight)  # the lookup keeps float rows
     ids = text_ids(reloaded.tokenizer, 2, 64)
     with torch.no_grad():
@@ -250,8 +252,8 @@ def test_lm_head_let_through_is_quantized_last_and_reloads(tiny_checkpoint_with_
 
 def test_max_layer_error_retries_smaller_groups_within_target(tiny_checkpoint_with_tokenizer, tmp_path):
     path, _ = tiny_checkpoint_with_tokenizer("llama", **TINY)
-    register_target(TargetSpec("test-no-g32", "rejects group size 32 (test double)",
-                               lambda module, fmt: "no g32" if fmt.get("group_size") == 32 else None))
+    register_target(Target("test-no-g32", "rejects group size 32 (test double)",
+                           lambda module, fmt: "no g32" if fmt.get("group_size") == 32 else None, lower=None))
     try:
         result = compile_model(path, pipeline_config(group_size=128, max_layer_error=1e-6, target="test-no-g32"),
                                tmp_path / "retry")
@@ -261,7 +263,7 @@ def test_max_layer_error_retries_smaller_groups_within_target(tiny_checkpoint_wi
     assert all(r.metrics["group_size"] == 64 for r in rows)  # 128 too lossy, 64 tried, 32 refused by the target
     assert all("max_layer_error" in r.reason and "no smaller group size left" in r.reason for r in rows)
     manifest = load_artifact(tmp_path / "retry").manifest
-    assert {m["group_size"] for m in manifest["modules"].values()} == {64}
+    assert {m["group_size"] for m in manifest.modules.values()} == {64}
 
 
 def test_cli_prints_one_line_error_for_error_policy(tiny_checkpoint_with_tokenizer, tmp_path):
@@ -285,7 +287,7 @@ def test_example_pipeline_files_validate():
     files = [v.pipeline for v in VARIANTS if v.pipeline.startswith("awq")]
     assert files
     for f in files:
-        formats = Pipeline(PipelineConfig.from_toml(example_pipeline(f))).validate(SMOLLM2_LIKE)
+        formats = Pipeline(PipelineConfig.from_toml(example_pipeline(f))).validate(SMOLLM2_LIKE).formats
         assert formats and all(fmt["format"] == "int4" for fmt in formats.values())
 
 

@@ -156,7 +156,7 @@ def test_compiles_reloads_and_keeps_routers_float(case, name, compiled):
     assert bool(routers) == config.spec.is_moe
     float_model = load_checkpoint(src, with_tokenizer=False).model
     expected = {n for n in linear_modules(float_model) if n != "lm_head"} - set(routers)
-    assert set(load_artifact(result.path).manifest["modules"]) == expected
+    assert set(load_artifact(result.path).manifest.modules) == expected
     rows = {r.module: r for r in result.reports[0].layers}
     x = torch.randn(5, config.dim, generator=torch.Generator().manual_seed(1))
     for n in routers:
@@ -211,8 +211,8 @@ def test_awq_beats_rtn_on_held_out_text_on_every_architecture(case, compiled, by
 def engine_run(engine: Engine, prompts: list[list[int]], params: SamplingParams):
     """Each prompt's tokens from the engine, the prompts arriving one step apart (continuous batching),
     and the logits each token was chosen from ([max_tokens, vocab] per prompt)."""
-    forward, rows = engine._forward, []
-    engine._forward = lambda *args: rows.append(forward(*args)) or rows[-1]  # [sampled requests, vocab]
+    forward, rows = engine.runner._forward, []
+    engine.runner._forward = lambda *args: rows.append(forward(*args)) or rows[-1]  # [sampled requests, vocab]
     rids, tokens, logits, pending = [], {}, {}, list(prompts)
     while pending or engine.has_unfinished():
         if pending:

@@ -148,7 +148,7 @@ def test_mixed_artifact_records_each_layers_format_and_reloads_with_the_same_log
     result = compile_model(checkpoint, config(group_size=64, average_bits=AVERAGE_BITS), tmp_path / "art")
     rows = {r.module: r for r in result.reports[0].layers if r.format != "float"}
     reloaded = load_artifact(result.path)
-    modules = reloaded.manifest["modules"]
+    modules = reloaded.manifest.modules
     assert {n: m["format"] for n, m in modules.items()} == {n: r.format for n, r in rows.items()}
     assert {"int4", "int8"} == {m["format"] for m in modules.values()}
     units = defaultdict(set)  # q/k/v and gate/up switch together: vLLM and the engine run each as one layer

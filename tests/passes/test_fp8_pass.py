@@ -18,6 +18,7 @@ from compiler.pipeline import (
     PASSES,
     Pass,
     PassContext,
+    PassPlan,
     Pipeline,
     PipelineConfig,
     register_pass,
@@ -63,7 +64,7 @@ def test_artifact_round_trip_gives_same_logits(tiny, tmp_path, options, bound):
     rel = float((in_memory - float_logits).norm() / float_logits.norm())
     print(f"{options}: relative logit error {rel:.4f}")
     assert 0 < rel < bound  # quantized (not identical), but close
-    mods = reloaded.manifest["modules"]
+    mods = reloaded.manifest.modules
     assert len(mods) == 14 and "lm_head" not in mods  # 2 layers × 7 Linears; lm_head kept by default
     assert all(m["format"] == "fp8" for m in mods.values())
     assert isinstance(reloaded.model.layers[0].mlp.down_proj, Fp8Linear)
@@ -93,7 +94,7 @@ def test_fallback_keeps_layers_above_max_layer_error(tiny, tmp_path):
     assert all(r.format == "float" and r.metrics["output_error"] > 1e-6 and "> max_layer_error" in r.reason for r in rows)
     assert any("max_layer_error" in n for n in report.notes)
     assert report.notes[-1] == "not converted (modules_to_not_convert): lm_head"
-    assert read_manifest(result.path)["modules"] == {}
+    assert read_manifest(result.path).modules == {}
     assert type(loaded.model.layers[0].self_attn.q_proj) is torch.nn.Linear
 
 
@@ -117,7 +118,7 @@ def test_fallback_decision_uses_measured_error(tiny, tmp_path):
     for r in report.layers[1:]:  # [0]: lm_head, excluded
         assert r.format == ("float" if errors[r.module] > threshold else "fp8")
     assert 0 < report.metrics["fallback"] < 14
-    rows = read_manifest(tmp_path / "b")["passes"][0]["layers"]  # the same rows, serialised
+    rows = read_manifest(tmp_path / "b").reports[0]["layers"]  # the same rows, serialised
     assert [r["module"] for r in rows] == [r.module for r in report.layers]
     assert set(rows[1]) == {"module", "format", "reason", "metrics"}
 
@@ -127,8 +128,8 @@ def test_fp8_kv_cache_alone(tiny, tmp_path):
     loaded = tiny()
     result = compile_loaded(loaded, pipeline(convert_linears=False, kv_cache_dtype="float8_e4m3fn"), tmp_path / "a")
     manifest = read_manifest(result.path)
-    assert manifest["modules"] == {}
-    kv = manifest["kv_cache"]
+    assert manifest.modules == {}
+    kv = manifest.kv_cache
     assert kv["dtype"] == "float8_e4m3fn" and kv["granularity"] == "per_head"
     assert len(kv["k_scale"]) == 2 and all(len(s) == 2 and min(s) > 0 for s in kv["k_scale"] + kv["v_scale"])
     model = load_artifact(result.path).model
@@ -148,7 +149,7 @@ def test_fp8_kv_cache_alone(tiny, tmp_path):
 def test_planned_formats_respect_patterns(tiny):
     config = tiny().model.config
     p = Pipeline(pipeline(modules_to_not_convert=["lm_head", "layers.0"]))
-    formats = p.validate(config)
+    formats = p.validate(config).formats
     assert sorted(formats) == sorted(f"layers.1.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                                  "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
     assert formats["layers.1.mlp.up_proj"] == {"format": "fp8", "in_features": 64, "out_features": 96,
@@ -168,8 +169,8 @@ class ClaimingPassDouble(Pass):
     name = "test_claiming_double"
     Options = _ClaimOptions
 
-    def planned_formats(self, config):
-        return {m: {"format": "double"} for m in self.options.modules}
+    def plan(self, model):
+        return PassPlan({m: {"format": "double"} for m in self.options.modules})
 
 
 def test_two_passes_cannot_claim_one_layer(tiny):
@@ -181,7 +182,7 @@ def test_two_passes_cannot_claim_one_layer(tiny):
     with pytest.raises(PipelineValidationError, match="layers.0.mlp.down_proj is already claimed"):
         Pipeline(PipelineConfig.from_dict(both)).validate(config)
     both["passes"][1]["modules_to_not_convert"] = ["lm_head", "layers.0.mlp.down_proj"]
-    formats = Pipeline(PipelineConfig.from_dict(both)).validate(config)
+    formats = Pipeline(PipelineConfig.from_dict(both)).validate(config).formats
     assert formats["layers.0.mlp.down_proj"] == {"format": "double"}
 
 
@@ -221,7 +222,7 @@ def test_activation_groups_round_trip_through_the_artifact(tiny, tmp_path):
     reloaded = load_artifact(result.path)
     assert torch.equal(reloaded.model(ids()), loaded.model(ids()))
     assert 0 < float((reloaded.model(ids()) - float_logits).norm() / float_logits.norm()) < 0.3
-    assert all(m["activation_group_size"] == 32 for m in reloaded.manifest["modules"].values())
+    assert all(m["activation_group_size"] == 32 for m in reloaded.manifest.modules.values())
 
 
 def test_outlier_channels_must_be_below_every_layers_inputs(tiny):
@@ -248,7 +249,7 @@ def test_outlier_channels_are_the_largest_shifted_variances_and_round_trip(tiny,
             errors[r] = float((reloaded.model(ids()) - float_logits).norm() / float_logits.norm())
     print(f"{scheme}: relative logit error without outlier channels {errors[0]:.4f}, with 8: {errors[8]:.4f}")
     assert 0 < errors[8] < errors[0]
-    assert all(m["outlier_channels"] == 8 for m in reloaded.manifest["modules"].values())
+    assert all(m["outlier_channels"] == 8 for m in reloaded.manifest.modules.values())
     seen = []
     handle = float_model.layers[1].mlp.down_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, 96)))
     float_model(PassContext(tokenizer=loaded.tokenizer, calibration=config.calibration).calibration_windows())
@@ -266,7 +267,7 @@ def test_pattern_matching_nothing_is_a_validation_error(tiny):
 
 
 def test_self_attn_keeps_every_attention_linear_in_float(tiny):
-    formats = Pipeline(pipeline(modules_to_not_convert=["lm_head", "self_attn"])).validate(tiny().model.config)
+    formats = Pipeline(pipeline(modules_to_not_convert=["lm_head", "self_attn"])).validate(tiny().model.config).formats
     assert sorted(formats) == sorted(f"layers.{i}.mlp.{m}" for i in (0, 1) for m in ("gate_proj", "up_proj", "down_proj"))
 
 
@@ -278,7 +279,7 @@ def test_example_pipeline_validates(tiny):
     from qcompile.cli.example import VARIANTS, example_pipeline
 
     assert "fp8.toml" in [v.pipeline for v in VARIANTS]
-    formats = Pipeline(PipelineConfig.from_toml(example_pipeline("fp8.toml"))).validate(tiny().model.config)
+    formats = Pipeline(PipelineConfig.from_toml(example_pipeline("fp8.toml"))).validate(tiny().model.config).formats
     assert len(formats) == 14 and all(f["format"] == "fp8" for f in formats.values())
 
 
@@ -319,7 +320,7 @@ def test_input_shift_subtracts_calibration_means_and_round_trips(tiny, tmp_path)
     reloaded = load_artifact(result.path)
     assert torch.equal(reloaded.model(ids()), loaded.model(ids()))
     assert 0 < float((reloaded.model(ids()) - float_logits).norm() / float_logits.norm()) < 0.3
-    assert all(m["input_shift"] for m in reloaded.manifest["modules"].values())
+    assert all(m["input_shift"] for m in reloaded.manifest.modules.values())
     # the shift is the mean of what the float layer reads on the calibration windows
     seen = []
     float_down = float_model.layers[1].mlp.down_proj

@@ -15,6 +15,7 @@ from compiler.model.fusion import fuse_projections
 from compiler.pipeline import PassContext, PipelineConfig
 from compiler.pipeline.calibration import InputRequest
 from compiler.pipeline.compile import compile_loaded
+from compiler.pipeline.selection import meta_model
 from passes.int8 import Int8Options, Int8Pass, smooth, static_qparams
 
 CALIB = {"corpus": "pydoc", "samples": 4, "seq_len": 64, "seed": 0}
@@ -58,11 +59,11 @@ def test_artifact_round_trip_gives_the_same_logits(tiny, tmp_path, options, boun
     print(options, f"logits {err:.3f} from float")
     assert err < bound
     manifest = read_manifest(result.path)
-    report = manifest["passes"][-1]
+    report = manifest.reports[-1]
     converted = [r for r in report["layers"] if r["format"] == "int8"]
     assert len(converted) == 14 and all(r["metrics"]["output_error"] < 0.1 for r in converted)
-    assert {m["format"] for m in manifest["modules"].values()} == {"int8"}
-    assert all(isinstance(reloaded.model.get_submodule(n), Int8Linear) for n in manifest["modules"])
+    assert {m["format"] for m in manifest.modules.values()} == {"int8"}
+    assert all(isinstance(reloaded.model.get_submodule(n), Int8Linear) for n in manifest.modules)
     if options.get("activation_scheme") == "static":
         assert all("input_scale" in r["metrics"] and "input_zero_point" in r["metrics"] for r in converted)
 
@@ -125,7 +126,7 @@ def test_smoothquant_moves_an_outlier_channel_into_the_weights(tiny, tmp_path):
         for layer in loaded.model.layers:
             layer.input_layernorm.weight[3] *= 40
         result = compile_loaded(loaded, pipeline(smoothing=smoothing, smoothing_strength=0.5), tmp_path / smoothing)
-        rows = read_manifest(result.path)["passes"][-1]["layers"]
+        rows = read_manifest(result.path).reports[-1]["layers"]
         errors[smoothing] = max(r["metrics"]["output_error"] for r in rows if r["module"].endswith("q_proj"))
     print(errors)
     assert errors["norms"] < errors["none"] / 3
@@ -168,7 +169,7 @@ def test_the_strength_is_chosen_on_the_validation_split(tiny, tmp_path, monkeypa
     monkeypatch.setattr(pipeline_module, "evaluation_windows", spy)
     loaded = tiny()
     result = compile_loaded(loaded, pipeline(smoothing_grid=[0.2, 0.5, 0.8], validation_windows=2), tmp_path / "a")
-    metrics = read_manifest(result.path)["passes"][-1]["metrics"]
+    metrics = read_manifest(result.path).reports[-1]["metrics"]
     scores = metrics["validation_kl_by_strength"]
     assert set(scores) == set(metrics["validation_nll_by_strength"]) == {"0.2", "0.5", "0.8", "per group"}
     chosen = min(scores, key=scores.get)
@@ -214,7 +215,7 @@ def test_mixture_of_experts_is_refused_in_one_line(tmp_path):
 
     config = ModelConfig.from_hf(make_arch_model("qwen3-moe").config.to_dict())
     with pytest.raises(ConfigError, match="does not handle Qwen3MoeForCausalLM.*fp8 or awq"):
-        Int8Pass(Int8Options()).check(config)
+        Int8Pass(Int8Options()).check(meta_model(config))
 
 
 # -- the INT8 KV cache (kv_cache_dtype = "int8") -------------------------------------------------
@@ -239,7 +240,7 @@ def test_int8_kv_cache_scales_are_the_calibration_abs_max_per_channel(tiny, tmp_
 
     loaded = tiny()
     result = compile_loaded(loaded, pipeline(smoothing_strength=0.5, kv_cache_dtype="int8"), tmp_path / "a")
-    entry = read_manifest(result.path)["kv_cache"]
+    entry = read_manifest(result.path).kv_cache
     c = loaded.model.config
     assert entry["dtype"] == "int8" and entry["granularity"] == "per_channel"
     assert [len(s) for s in entry["k_scale"]] == [len(s) for s in entry["v_scale"]] == [c.n_kv_heads * c.head_dim] * 2
@@ -260,7 +261,7 @@ def test_int8_kv_cache_scales_are_the_calibration_abs_max_per_channel(tiny, tmp_
             below = (scale.view(torch.int32) - 0x10000).view(torch.float32)
             assert (below < amax / 127).all(), (i, key)
     assert isinstance(loaded.model.layers[0].self_attn.kv_quant, Int8KVQuant)  # installed in the compiled model
-    assert read_manifest(result.path)["passes"][-1]["metrics"]["kv_cache"] == "int8 per_channel"
+    assert read_manifest(result.path).reports[-1]["metrics"]["kv_cache"] == "int8 per_channel"
 
 
 @torch.no_grad()

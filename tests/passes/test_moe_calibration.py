@@ -23,6 +23,7 @@ from compiler.model.moe import every_token_to
 from compiler.pipeline import PassContext, Pipeline, PipelineConfig
 from compiler.pipeline.calibration import InputRequest, TokenSampler, collect_block
 from compiler.pipeline.compile import compile_loaded
+from compiler.pipeline.selection import meta_model
 from passes.awq_plan import AWQOptions, plan_layers
 
 CALIB = {"corpus": "pydoc", "samples": 4, "seq_len": 64, "seed": 0}
@@ -200,6 +201,6 @@ def test_group_size_checks_cover_the_expert_widths(tmp_path, byte_tokenizer):
     with pytest.raises(PipelineValidationError, match=r"layers.\{0-2\}.mlp.experts.7.down_proj \(in_features 24\)"):
         Pipeline(PipelineConfig.from_dict({"passes": [{"name": "awq", "group_size": 32,
                                                         "group_size_policy": "error"}]})).validate(config)
-    plans, _ = plan_layers(config, AWQOptions(group_size=32, group_size_policy="pad"))
+    plans, _ = plan_layers(meta_model(config), AWQOptions(group_size=32, group_size_policy="pad"))
     assert plans["layers.2.mlp.experts.5.down_proj"].reason == "pad: in_features 24 zero-padded to 32"
     assert plans["layers.0.mlp.experts.0.gate_proj"].reason == "requested"

@@ -23,6 +23,7 @@ from compiler.model.deepseek_moe import GroupedTopkRouter
 from compiler.pipeline import PassContext, Pipeline, PipelineConfig
 from compiler.pipeline.calibration import TokenSampler
 from compiler.pipeline.compile import compile_loaded
+from compiler.pipeline.selection import meta_model
 from passes.awq import BlockQuantizer, capture
 from passes.awq_mappings import expand_columns, fold_scales, layer_groups
 from passes.awq_plan import AWQOptions, plan_layers
@@ -59,7 +60,7 @@ def test_awq_folds_leave_the_float_model_unchanged(case, tmp_path, byte_tokenize
     ids = torch.randint(3, len(byte_tokenizer), (2, 40), generator=torch.Generator().manual_seed(3))
     before = model(ids)
     opts = AWQOptions(group_size=32)
-    plans, _ = plan_layers(model.config, opts)
+    plans, _ = plan_layers(model, opts)
     ctx = PassContext(tokenizer=loaded.tokenizer, calibration=CalibrationConfig(samples=4, seq_len=64))
     windows = ctx.calibration_windows()
     positions = torch.arange(windows.shape[1]).expand(opts.batch_size, -1)
@@ -89,12 +90,12 @@ def test_group_size_plan_covers_mla_ranks_and_expert_widths(tmp_path, byte_token
     config = load("deepseek-v3", tmp_path, byte_tokenizer, kv_lora_rank=48, q_lora_rank=80,
                   moe_intermediate_size=40).model.config
     with pytest.raises(ConfigError) as info:
-        plan_layers(config, AWQOptions(group_size=32, group_size_policy="fallback"))
+        plan_layers(meta_model(config), AWQOptions(group_size=32, group_size_policy="fallback"))
     msg = str(info.value)
     assert "self_attn.kv_b_proj (in_features 48)" in msg
     assert "self_attn.q_b_proj (in_features 80)" in msg
     assert "mlp.experts.0.down_proj" in msg and "mlp.shared_experts.down_proj" in msg and "in_features 40" in msg
-    padded, _ = plan_layers(config, AWQOptions(group_size=32, group_size_policy="pad"))
+    padded, _ = plan_layers(meta_model(config), AWQOptions(group_size=32, group_size_policy="pad"))
     assert padded["layers.1.self_attn.kv_b_proj"].format(True)["padded_in_features"] == 64
     assert not any(n.endswith("mlp.gate") for n in padded)  # the router is no Linear: never planned
 
@@ -107,7 +108,7 @@ def test_awq_compiles_deepseek_and_the_engine_serves_it(tmp_path, byte_tokenizer
     reloaded = load_artifact(result.path)
     model = reloaded.model
     c = model.config
-    planned, _ = plan_layers(c, AWQOptions(group_size=32))
+    planned, _ = plan_layers(meta_model(c), AWQOptions(group_size=32))
     int4 = {n for n, m in model.named_modules() if isinstance(m, Int4Linear)}
     assert int4 == set(planned) and "layers.1.self_attn.o_proj" in int4
     assert all(isinstance(layer.mlp.gate, GroupedTopkRouter) and layer.mlp.gate.weight.dtype == torch.float32
@@ -115,7 +116,7 @@ def test_awq_compiles_deepseek_and_the_engine_serves_it(tmp_path, byte_tokenizer
     assert torch.equal(model(ids), result.loaded.model(ids))
     # Logits of random-weight MoE models move far under any INT4 (RTN too: the routing flips), so
     # the quality check is per layer: AWQ's output error on the calibration tokens against RTN's.
-    report = reloaded.manifest["passes"][-1]
+    report = reloaded.manifest.reports[-1]
     assert report["metrics"]["mean_output_error"] < 0.8 * report["metrics"]["mean_rel_error_rtn"]
     rows = {r["module"]: r for r in report["layers"]}
     assert max(r["metrics"]["output_error"] for r in rows.values() if r["format"] == "int4") < 0.15
@@ -142,7 +143,7 @@ def test_fp8_compiles_deepseek_and_keeps_an_unrouted_expert_float(tmp_path, byte
     assert "layers.1.self_attn.kv_b_proj" in fp8 and "layers.1.mlp.experts.0.down_proj" in fp8
     unrouted = {n for n in model.state_dict() if ".experts.7." in n}
     assert unrouted and not any(".experts.7." in n for n in fp8)
-    rows = {r["module"]: r for r in reloaded.manifest["passes"][-1]["layers"]}
+    rows = {r["module"]: r for r in reloaded.manifest.reports[-1]["layers"]}
     assert rows["layers.1.mlp.experts.7.up_proj"]["format"] == "float"
     assert "expert routed 0 of" in rows["layers.1.mlp.experts.7.up_proj"]["reason"]
     assert rows["layers.1.mlp.experts.0.up_proj"]["metrics"]["expert_tokens"] > 0

@@ -45,7 +45,7 @@ def test_compile_load_evaluate_generate_inspect_lower(checkpoint, tmp_path):
     summary = qcompile.inspect(tmp_path / "awq")
     assert summary["formats"]["int4"] == 14  # 2 layers × 7 linears; lm_head stays float
 
-    bundle = qcompile.lower(tmp_path / "awq", "onnx", tmp_path / "onnx", max_len=64)
+    bundle = qcompile.lower(tmp_path / "awq", "onnx", tmp_path / "onnx", max_len=64).path
     assert (bundle / "bundle.json").is_file()
 
 
@@ -77,5 +77,24 @@ def test_errors_are_qcompile_errors(tmp_path):
         qcompile.load(tmp_path / "missing")
     with pytest.raises(ConfigError, match="unknown pass"):
         qcompile.compile(tmp_path / "missing", {"passes": [{"name": "awk"}]}, tmp_path / "out")
-    with pytest.raises(ConfigError, match="no lowering for target"):
+    with pytest.raises(ConfigError, match="unknown target 'tensorrt'"):
         qcompile.lower(tmp_path, "tensorrt", tmp_path / "out")
+
+
+def test_generate_takes_the_engines_sampling_parameters(checkpoint):
+    """``qcompile.generate`` runs the token loop every runtime shares: the engine's sampling
+    parameters, as keywords or one ``SamplingParams``, with its stop strings and one-line errors."""
+    from serving.types import RequestError, SamplingParams
+
+    model = qcompile.load(checkpoint[0])
+    greedy = qcompile.generate(model, "def f(x):", max_tokens=12, ignore_eos=True)
+    stop = greedy[3:5]
+    assert qcompile.generate(model, "def f(x):", params=SamplingParams(max_tokens=12, ignore_eos=True, stop=stop)) \
+        == greedy[:greedy.index(stop)]
+    sampled = qcompile.generate(model, "def f(x):", max_tokens=12, temperature=0.9, top_k=20, seed=5, ignore_eos=True)
+    assert sampled == qcompile.generate(model, "def f(x):", max_tokens=12, temperature=0.9, top_k=20, seed=5,
+                                        ignore_eos=True)
+    with pytest.raises(RequestError, match="top_p must be in"):
+        qcompile.generate(model, "x", top_p=0.0)
+    with pytest.raises(RequestError, match="unknown sampling setting 'temprature'"):
+        qcompile.generate(model, "x", temprature=0.5)

@@ -52,11 +52,11 @@ def test_qat_from_an_int4_artifact_recovers_and_stays_int4(teacher_dir, tmp_path
     assert seen["before"]["tokens"] == 16 * 32 and seen["after"]["kl"] < seen["before"]["kl"]
     student = load_artifact(tmp_path / "out" / "student")
     assert sum(isinstance(m, Int4Linear) for m in student.model.modules()) == 14
-    assert student.manifest["modules"]["layers.0.mlp.up_proj"]["format"] == "int4"
+    assert student.manifest.modules["layers.0.mlp.up_proj"]["format"] == "int4"
     # the student artifact's passes come first, in the recipe and in the reports
-    assert [p["name"] for p in student.manifest["passes"]] == ["rtn-test", "distill"]
-    assert [p["name"] for p in student.manifest["pipeline"]["passes"]] == ["rtn-test", "distill"]
-    assert student.manifest["passes"][1]["metrics"]["kl_after"] == result["kl_after"]
+    assert [p["name"] for p in student.manifest.reports] == ["rtn-test", "distill"]
+    assert [p["name"] for p in student.manifest.pipeline["passes"]] == ["rtn-test", "distill"]
+    assert student.manifest.reports[1]["metrics"]["kl_after"] == result["kl_after"]
     assert json.loads((tmp_path / "out" / "result.json").read_text()) == result
     lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 12 and {"loss", "kl", "mse", "ce", "lr", "grad_norm", "tokens_per_s"} <= set(json.loads(lines[0]))
@@ -118,13 +118,13 @@ def test_flags_are_the_options_fields_and_build_a_one_pass_pipeline(teacher_dir,
     from qcompile.cli import main
 
     calls = []
-    monkeypatch.setattr(compile_module, "compile_loaded", lambda loaded, config, out, force: calls.append(config) or 1 / 0)
+    monkeypatch.setattr(compile_module, "compile_loaded", lambda loaded, pipeline, out, force: calls.append(pipeline) or 1 / 0)
     monkeypatch.setattr(sys, "argv", ["qcompile", "distill", "--teacher", str(teacher_dir), "--student", "keep_layers:0",
                                       "--weight-decay", "0.01", "--heldout", "a.txt,b.txt", "--heldout", "c.txt",
                                       "--train-corpus", "d.txt", "--learn-qparams", "-o", str(tmp_path / "o")])
     with pytest.raises(SystemExit):
         main()
-    (entry,) = calls[0].passes
+    (entry,) = calls[0].config.passes  # the Pipeline the command built once, before the loads
     assert entry["name"] == "distill" and entry["student"] == "keep_layers:0" and entry["teacher"] == ""
     assert entry["weight_decay"] == 0.01 and entry["heldout"] == ["a.txt", "b.txt", "c.txt"]
     assert entry["train_corpora"] == ["d.txt"] and entry["learn_qparams"] and entry["output_dir"] == str(tmp_path / "o")
@@ -163,7 +163,7 @@ def test_distill_pass_in_a_pipeline(teacher_dir, tmp_path):
     result = compile_model(teacher_dir, PipelineConfig.from_dict({"passes": [entry]}), tmp_path / "art")
     art = load_artifact(result.path)
     assert art.model.config.n_layers == 1
-    metrics = art.manifest["passes"][0]["metrics"]
+    metrics = art.manifest.reports[0]["metrics"]
     assert {"kl_before", "kl_after", "top1_agreement_before", "top1_agreement_after"} <= set(metrics)
     bad = PipelineConfig.from_dict({"passes": [{**entry, "student": "keep_layers:0,9"}]})
     with pytest.raises(PipelineValidationError, match="distill"):

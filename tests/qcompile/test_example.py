@@ -31,7 +31,7 @@ def test_shipped_variants_start_from_the_row_before_them():
 def test_shipped_pipelines_validate_on_their_input():
     for v in VARIANTS:
         config = PipelineConfig.from_toml(example_pipeline(v.pipeline))
-        formats = Pipeline(config).validate(SMOLLM2_LIKE)
+        formats = Pipeline(config).validate(SMOLLM2_LIKE).formats
         if v.start:  # runs on an artifact: plans no new formats, keeps its input's
             assert formats == {} and [p["name"] for p in config.passes] == ["distill"]
 
@@ -73,11 +73,11 @@ def test_distilled_variant_starts_from_the_awq_artifact(tiny_variants):
     float_row, awq, distilled = tiny_variants
     assert [r["from"] for r in tiny_variants] == [None, None, "awq"]
     manifest = read_manifest(distilled["path"])
-    assert manifest["source"]["kind"] == "artifact" and manifest["source"]["path"] == str(Path(awq["path"]).resolve())
-    assert [p["name"] for p in manifest["passes"]] == ["awq", "distill"]  # the input's passes, then its own
-    assert [p["name"] for p in read_manifest(awq["path"])["passes"]] == ["awq"]  # its input is left as it was
-    assert all(m["format"] == "int4" for name, m in manifest["modules"].items() if name != "lm_head")
-    kl = manifest["passes"][-1]["metrics"]
+    assert manifest.source.kind == "artifact" and manifest.source.path == str(Path(awq["path"]).resolve())
+    assert [p["name"] for p in manifest.reports] == ["awq", "distill"]  # the input's passes, then its own
+    assert [p["name"] for p in read_manifest(awq["path"]).reports] == ["awq"]  # its input is left as it was
+    assert all(m["format"] == "int4" for name, m in manifest.modules.items() if name != "lm_head")
+    kl = manifest.reports[-1]["metrics"]
     assert distilled["stage"].startswith(f"KL to teacher {kl['kl_before']:.4f} → {kl['kl_after']:.4f}")
     assert float_row["stage"] == awq["stage"] == ""
 

@@ -230,7 +230,7 @@ def test_local_completions_on_qcompile_serve_vllm(tiny_checkpoint_with_tokenizer
     # head_dim 32: vLLM's CPU attention takes no head size of 16 (the fixture's default)
     path, _ = tiny_checkpoint_with_tokenizer("llama", num_attention_heads=2, num_key_value_heads=1)
     artifact = qcompile.compile(path, {"passes": []}, tmp_path / "artifact").path
-    checkpoint = qcompile.lower(artifact, "vllm", tmp_path / "vllm")
+    checkpoint = qcompile.lower(artifact, "vllm", tmp_path / "vllm").path
     loaded = qcompile.load(artifact)
     stop = stop_string_of(qcompile.generate(loaded, PROMPTS[0]["prompt"], max_tokens=MAX_GEN_TOKS))
     tasks_dir = tmp_path / "tasks"

@@ -54,12 +54,14 @@ def test_a_flag_the_target_does_not_take_names_the_target_and_its_flags(tmp_path
 
 def test_target_flags_reach_the_targets_dataclass(tmp_path, monkeypatch, capsys):
     """Comma lists and repeated flags both build a list option; only the flags given are passed."""
+    from dataclasses import replace
+
     from backends.ascend import AscendLowerOptions
-    from compiler.deploy import lowering
+    from compiler.deploy.targets import TARGETS, LowerResult
 
     calls = []
-    fake = lowering.Lowering("ascend", lambda *args: calls.append(args) or args[1], AscendLowerOptions)
-    monkeypatch.setitem(lowering.LOWERINGS, "ascend", fake)
+    fake = replace(TARGETS["ascend"], lower=lambda *args: calls.append(args) or LowerResult(args[1]))
+    monkeypatch.setitem(TARGETS, "ascend", fake)
     code, out = run_cli(monkeypatch, capsys, "lower", tmp_path, "--target", "ascend", "--soc", "Ascend910B3",
                         "--buckets", "128,256", "--buckets", "512", "-o", tmp_path / "x")
     assert code == 0, out
@@ -71,26 +73,27 @@ def test_target_flags_reach_the_targets_dataclass(tmp_path, monkeypatch, capsys)
 NEW_BACKEND = """
 from dataclasses import dataclass
 from pathlib import Path
-from compiler.deploy.lowering import register_lowering
+from compiler.deploy.targets import LowerResult, Target, register_target
 from compiler.options import option
 
 @dataclass(frozen=True)
 class FakeOptions:
     knob: int = option(1, "How far to turn the knob.")
 
-def run(artifact, out, opts, force):
+def lower(artifact, out, opts, force):
     Path(out).mkdir()
     (Path(out) / "knob").write_text(str(opts.knob))
-    return out
+    return LowerResult(out, [f"the knob is at {opts.knob}"], {"turned": 2})
 
-register_lowering("fake", run, FakeOptions)
+register_target(Target("fake", "a test double", lambda module, fmt: None, lower, FakeOptions))
 from qcompile.cli import main
 main()
 """
 
 
-def test_a_new_backend_brings_its_own_flags(tmp_path):
-    """A lowering registered with its options dataclass gets its flags without any change to the CLI."""
+def test_a_new_backend_brings_its_own_flags_and_notes(tmp_path):
+    """A target registered once, with its options dataclass and a lowering that returns notes, gets its
+    flags and its notes printed without any change to the CLI."""
     import os
     import subprocess
     from pathlib import Path
@@ -103,6 +106,7 @@ def test_a_new_backend_brings_its_own_flags(tmp_path):
     r = run(tmp_path, "--target", "fake", "--knob", "7", "-o", tmp_path / "x")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "x" / "knob").read_text() == "7"
+    assert "note: the knob is at 7" in r.stdout and "turned" in r.stdout and f"wrote {tmp_path / 'x'}" in r.stdout
     r = run(tmp_path, "--target", "onnx", "--knob", "7", "-o", tmp_path / "y")
     assert r.returncode == 2 and "--target onnx does not take --knob" in r.stderr
 

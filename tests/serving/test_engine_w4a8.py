@@ -47,11 +47,11 @@ def greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
 def test_the_engine_runs_w4a8_when_the_plan_asks_and_keeps_greedy_parity(int4_model):
     prompts = [[5, 9, 17, 3, 44], list(range(3, 30)), [7] * 9]
     reference = Engine.from_loaded(int4_model, "cpu", block_size=4, num_blocks=64, int4_compute="w4a16")
-    assert reference.int4 == {"compute": "w4a16", "asked": "w4a16", "layers": 4 * reference.config.n_layers}  # fused q/k/v, gate/up
+    assert reference.load_report.int4 == {"compute": "w4a16", "asked": "w4a16", "layers": 4 * reference.config.n_layers}  # fused q/k/v, gate/up
     w4a16_tokens = greedy(reference, prompts)
     engine = Engine.from_loaded(int4_model, "cpu", block_size=4, num_blocks=64, int4_compute="w4a8")
-    assert engine.int4["compute"] == "w4a8" and engine.int4["layers"] == 4 * engine.config.n_layers
-    assert engine.int4["kernel"] == w4a8_cpu.KERNEL and not engine.int4["w4a16"]
+    assert engine.load_report.int4["compute"] == "w4a8" and engine.load_report.int4["layers"] == 4 * engine.config.n_layers
+    assert engine.load_report.int4["kernel"] == w4a8_cpu.KERNEL and not engine.load_report.int4["w4a16"]
     assert all(m.kernel == w4a8_cpu.KERNEL for m in engine.model.modules() if isinstance(m, Int4Linear))
     # the same W4A8 layers outside the engine (contiguous cache, one sequence at a time)
     want = [engine.model.generate(torch.tensor([p]), GREEDY.max_tokens)[0, len(p):].tolist() for p in prompts]
@@ -74,19 +74,19 @@ def test_auto_is_w4a8_where_the_cpu_runs_it_and_says_why_not_elsewhere(int4_mode
     """The default plan, "auto": W4A8 on a CPU with qcompile's kernels (reported as asked "auto"),
     W4A16 with the reason where they are not loaded, and W4A16 on a GPU."""
     engine = Engine.from_loaded(int4_model, "cpu", block_size=4, num_blocks=64)
-    assert engine.plan.int4_compute == "auto" and engine.int4["asked"] == "auto"
-    assert engine.int4["compute"] == "w4a8" and engine.int4["layers"] == 4 * engine.config.n_layers
-    assert engine.kernels["int4"]["decode"] == {W4A8.describe(): 4 * engine.config.n_layers}
+    assert engine.plan.int4_compute == "auto" and engine.load_report.int4["asked"] == "auto"
+    assert engine.load_report.int4["compute"] == "w4a8" and engine.load_report.int4["layers"] == 4 * engine.config.n_layers
+    assert engine.load_report.kernels["int4"]["decode"] == {W4A8.describe(): 4 * engine.config.n_layers}
     with use_isa(None):
         fallback = Engine.from_loaded(int4_model, "cpu", block_size=4, num_blocks=64)
-    assert fallback.int4["compute"] == "w4a16" and "auto: W4A8 cannot run here (qcompile's C++ kernels are not loaded" in fallback.int4["why"]
+    assert fallback.load_report.int4["compute"] == "w4a16" and "auto: W4A8 cannot run here (qcompile's C++ kernels are not loaded" in fallback.load_report.int4["why"]
     assert resolve_int4_compute("auto", torch.device("cuda")) == ("w4a16", "auto: W4A8 is a CPU kernel, this engine runs on cuda")
     assert resolve_int4_compute("w4a16", torch.device("cpu")) == ("w4a16", None)
 
 
 def test_a_float_model_has_no_int4_report(tiny_checkpoint):
     path, _ = tiny_checkpoint("llama")
-    assert Engine.from_loaded(load_checkpoint(path), "cpu", block_size=4, num_blocks=32, int4_compute="w4a8").int4 == {}
+    assert Engine.from_loaded(load_checkpoint(path), "cpu", block_size=4, num_blocks=32, int4_compute="w4a8").load_report.int4 == {}
 
 
 def test_vllm_refuses_a_w4a8_plan_for_int4_layers():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from arch_helpers import make_arch_model
 
-import serving.engine
+import serving.request
 from compiler.io.load import load_checkpoint
 from serving.engine import Engine
 from serving.types import SamplingParams
@@ -58,8 +58,8 @@ def test_engine_samples_from_the_models_logits(case, tmp_path, monkeypatch):
     """What the sampler sees (soft-capped for Gemma) is the model's last-position logits."""
     loaded = load_case(case, tmp_path)
     seen = []
-    sample = serving.engine.sample_token
-    monkeypatch.setattr(serving.engine, "sample_token", lambda logits, *a: seen.append(logits) or sample(logits, *a))
+    sample = serving.request.sample_token
+    monkeypatch.setattr(serving.request, "sample_token", lambda logits, *a: seen.append(logits) or sample(logits, *a))
     prompt = prompts_of([20])[0]
     engine = Engine.from_loaded(loaded, "cpu", block_size=4, num_blocks=32)
     engine.generate(prompt_token_ids=prompt, max_tokens=3, temperature=0.8, seed=0)

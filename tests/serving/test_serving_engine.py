@@ -72,7 +72,7 @@ def test_packed_cpu_weights_keep_greedy_outputs(tiny_model, pack):
     prompts = prompts_of([5, 17, 9, 30])
     want = [reference(loaded.model, p, GREEDY.max_tokens) for p in prompts]
     engine = Engine.from_loaded(loaded, "cpu", block_size=4, num_blocks=96, pack_cpu_weights=pack)
-    packed = engine.packing.get("packed", [])
+    packed = engine.load_report.packing.get("packed", [])
     # every float projection of the tiny llama (fused q/k/v and gate/up, o, down) and the head
     assert len(packed) == (4 * engine.config.n_layers + 1 if pack else 0), packed
     assert run_staggered(engine, prompts, every=1) == want
@@ -128,6 +128,15 @@ def test_seeded_sampling_is_reproducible_alone_or_batched(tiny_model):
     assert alone == batched
     different = run_staggered(engine, [p], SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True))[0]
     assert different != alone
+
+
+def test_sampling_params_or_their_fields_as_keywords_are_one_request(tiny_model):
+    engine = Engine.from_loaded(tiny_model(), "cpu", block_size=4, num_blocks=64)
+    params = SamplingParams(max_tokens=6, temperature=0.9, top_k=20, top_p=0.9, seed=4, ignore_eos=True)
+    by_params = engine.generate(prompt_token_ids=[5, 6, 7], params=params).token_ids
+    assert engine.generate(prompt_token_ids=[5, 6, 7], max_tokens=6, temperature=0.9, top_k=20, top_p=0.9, seed=4,
+                           ignore_eos=True).token_ids == by_params
+    assert SamplingParams(stop="\n").stop == ("\n",) and SamplingParams(stop=["a", "b"]).stop == ("a", "b")
 
 
 def test_eos_and_ignore_eos(tiny_model):
@@ -209,6 +218,8 @@ def test_abort_frees_blocks_and_others_go_on(tiny_model):
     (dict(prompt_token_ids=[1], top_p=0.0), "top_p"),
     (dict(prompt_token_ids=[1], stop=["x"]), "tokenizer"),
     (dict(), "exactly one"),
+    (dict(prompt_token_ids=[1], temprature=0.5), "unknown sampling setting 'temprature'"),
+    (dict(prompt_token_ids=[1], params=GREEDY, max_tokens=3), "not both"),
 ])
 def test_bad_requests_are_rejected_and_others_go_on(tiny_model, kwargs, match):
     loaded = tiny_model()
@@ -287,7 +298,7 @@ def test_int8_kv_artifact_serves_the_models_own_tokens(tiny_checkpoint_with_toke
     assert engine.cache.spec.dtype == torch.float32 and engine.cache.k_scales is None
     assert isinstance(engine.model.layers[0].self_attn.kv_quant, Int8KVQuant)
     assert ("KV cache int8 K/V rounded by the model's kv_quant hook, stored in float32 blocks (no memory saving: "
-            "the engine has no INT8 paged cache)") in describe_kernels(engine.kernels)
+            "the engine has no INT8 paged cache)") in describe_kernels(engine.load_report.kernels)
     assert run_staggered(engine, prompts) == want
     for layer in model.layers:  # the rounding changes these tokens: the parity above is the INT8 cache's
         layer.self_attn.kv_quant = None
@@ -297,7 +308,7 @@ def test_int8_kv_artifact_serves_the_models_own_tokens(tiny_checkpoint_with_toke
                                           "artifact's KV cache is int8") as err:
         Engine.from_artifact(art, "cpu", kv_dtype="float8_e4m3fn")
     assert "\n" not in str(err.value)
-    with pytest.raises(QCompileError, match="paged_kv: kv_dtype float8_e4m3fn needs K/V scales"):
+    with pytest.raises(QCompileError, match=r"\(paged_kv\): requires fp8_kv_cache"):  # before any pass runs
         compile_model(path, PipelineConfig.from_dict({"calibration": calib, "passes": [
             int8, {"name": "paged_kv", "kv_dtype": "float8_e4m3fn"}]}), tmp_path / "b")
 
@@ -336,7 +347,7 @@ def test_fp8_kv_without_scales_is_refused(tiny_checkpoint, tmp_path):
     from compiler.errors import ArtifactError, QCompileError
 
     path, _ = tiny_checkpoint()
-    with pytest.raises(QCompileError, match="needs K/V scales"):
+    with pytest.raises(QCompileError, match="requires fp8_kv_cache"):
         _compile(path, tmp_path / "a", [{"name": "paged_kv", "kv_dtype": "float8_e4m3fn"}])
     art = _compile(path, tmp_path / "b", [])
     manifest = json.loads((art / "manifest.json").read_text())
@@ -379,7 +390,7 @@ def test_a_failing_step_fails_every_stream_loudly(tiny_model):
     def broken(*args):
         raise RuntimeError("device lost")
 
-    engine._forward = broken
+    engine.runner._forward = broken
 
     async def consume():
         return [e async for e in engine.generate_stream(prompt_token_ids=[5, 6], max_tokens=4)]

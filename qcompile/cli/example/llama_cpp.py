@@ -16,7 +16,6 @@ from serving.types import SamplingParams
 
 def run_llama_cpp_stage(console: Console, rows: list[dict], out_dir: Path, prompt: str, max_tokens: int = 16) -> bool | None:
     """True when llama.cpp's greedy tokens equal the engine's; None when llama.cpp is not built here."""
-    from backends.gguf.export import file_notes
     from backends.gguf.llama_cpp import missing_reason
     from backends.gguf.server import LlamaServer, LlamaServerOptions
     from backends.triton.runtime import free_port
@@ -28,8 +27,9 @@ def run_llama_cpp_stage(console: Console, rows: list[dict], out_dir: Path, promp
         console.print(f"llama.cpp stage skipped: {why}")
         return None
     row = stage_rows(rows)[-1]
-    path = lower(row["path"], "gguf", out_dir / f"{row['variant']}.gguf", force=True)
-    layers = {note.split(":")[0] for note in file_notes(path) if "Q4_1's m" in note}
+    lowered = lower(row["path"], "gguf", out_dir / f"{row['variant']}.gguf", force=True)
+    path = lowered.path
+    layers = {note.split(":")[0] for note in lowered.notes if "Q4_1's m" in note}
     console.print(f"lowered [bold]{row['variant']}[/bold] to [bold]{path}[/bold] ({path.stat().st_size / 1e6:.0f} MB"
                   f"{f', {len(layers)} layers Q4_1' if layers else ''}); starting llama-server …")
     params = SamplingParams(max_tokens=max_tokens)

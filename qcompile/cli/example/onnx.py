@@ -22,7 +22,7 @@ GREEDY_TOKENS = 16
 def stage_rows(rows: list[dict]) -> list[dict]:
     """The float baseline and the first INT4 artifact (MatMulNBits): enough to show both paths
     while keeping the example short (each lowering of SmolLM2 takes ~20 s on 2 cores)."""
-    int4 = [r for r in rows[1:] if any(m.get("format") == "int4" for m in read_manifest(r["path"])["modules"].values())]
+    int4 = [r for r in rows[1:] if any(m.get("format") == "int4" for m in read_manifest(r["path"]).modules.values())]
     return rows[:1] + int4[:1]
 
 

@@ -37,7 +37,7 @@ def run_triton_stage(console: Console, artifact: Path, out_dir: Path, prompt: st
 
     params = SamplingParams(max_tokens=max_tokens)
     repo = out_dir / "triton-repo"
-    model_dir = lower(artifact, "triton", repo, {"name": "example"}, force=True)
+    model_dir = lower(artifact, "triton", repo, {"name": "example"}, force=True).path
     console.print(f"lowered to [bold]{model_dir}[/bold]; starting Triton Inference Server …")
     prepare_runtime()
     opts = ServerOptions(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())

@@ -170,7 +170,7 @@ def test_int4_group_not_dividing_in_features_still_lowers(tmp_path, monkeypatch)
     from compiler.deploy.targets import check_formats
 
     artifact = make_artifact(tmp_path, "llama", 64)  # down_proj in_features 96 is not a multiple of 64
-    check_formats("ascend", load_artifact(artifact).manifest["modules"])
+    check_formats("ascend", load_artifact(artifact).manifest.modules)
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     with pytest.raises(AtcNotFound):
         lower_ascend(load_artifact(artifact), tmp_path / "b", OPTS, max_len=128)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -443,7 +444,8 @@ def test_a_float32_artifact_is_written_in_bfloat16_and_says_so(tmp_path, monkeyp
 ])
 def test_a_kv_cache_c8_cannot_hold_is_refused(tmp_path, dtype, match):
     loaded = load_artifact(int8_artifact(tmp_path))  # head_dim 16
-    planted = LoadedModel(loaded.model, None, loaded.source, {**loaded.manifest, "kv_cache": {"dtype": dtype}})
+    planted = LoadedModel(loaded.model, None, loaded.source,
+                          replace(loaded.manifest, extras={**loaded.manifest.extras, "kv_cache": {"dtype": dtype}}))
     with pytest.raises(ConfigError, match=match) as err:
         check_ascend_v1(planted)
     assert "\n" not in str(err.value)

@@ -50,14 +50,14 @@ def assert_file_holds_the_artifact(artifact, path, exact: bool = True) -> float:
                                        ("gguf:q4_k", {"Q4_K"}), ("gguf:q4_k_m", {"Q4_K", "Q6_K"})])
 def test_awq_gguf_formats_are_written_code_for_code(llama, tmp_path, fmt, types):
     artifact = compile_awq(llama, tmp_path / "art", format=fmt)
-    out = lower(artifact, "gguf", tmp_path / "m.gguf")
+    out = lower(artifact, "gguf", tmp_path / "m.gguf").path
     assert {t for name, t in stored_types(out).items() if name.split(".")[-2] in LINEARS} == types
     assert_file_holds_the_artifact(artifact, out)
 
 
 def test_q4_k_m_upgrades_within_llama_cpps_budget(llama, tmp_path):
     artifact = compile_awq(llama, tmp_path / "art", format="gguf:q4_k_m")
-    report = load_artifact(artifact).manifest["passes"][0]
+    report = load_artifact(artifact).manifest.reports[0]
     wide = [r for r in report["layers"] if r["format"] == "gguf:q6_k"]
     assert wide and all("measured sensitive" in r["reason"] for r in wide)
     assert any("q4_k_m:" in note for note in report["notes"])
@@ -67,7 +67,7 @@ def test_q4_k_m_upgrades_within_llama_cpps_budget(llama, tmp_path):
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_int4_artifacts_become_q4_0_exactly_and_q4_1_within_ms_rounding(llama, tmp_path, zero_point, group_size):
     artifact = compile_awq(llama, tmp_path / "art", group_size=group_size, zero_point=zero_point)
-    out = lower(artifact, "gguf", tmp_path / "m.gguf")
+    out = lower(artifact, "gguf", tmp_path / "m.gguf").path
     assert {t for n, t in stored_types(out).items() if n.split(".")[-2] in LINEARS} == {"Q4_1" if zero_point else "Q4_0"}
     worst = assert_file_holds_the_artifact(artifact, out, exact=not zero_point)
     notes = file_notes(out)
@@ -80,14 +80,14 @@ def test_int4_artifacts_become_q4_0_exactly_and_q4_1_within_ms_rounding(llama, t
 @pytest.mark.parametrize("float_type,stored", [("auto", "F32"), ("f16", "F16"), ("bf16", "BF16")])
 def test_float_tensors_in_the_type_asked_norms_in_f32(llama, tmp_path, float_type, stored):
     artifact = compile_awq(llama, tmp_path / "art", format="gguf:q4_0")
-    types = stored_types(lower(artifact, "gguf", tmp_path / "m.gguf", {"float_type": float_type}))
+    types = stored_types(lower(artifact, "gguf", tmp_path / "m.gguf", {"float_type": float_type}).path)
     assert types["token_embd.weight"] == stored and types["output.weight"] == stored
     assert types["output_norm.weight"] == "F32" and types["blk.0.attn_norm.weight"] == "F32"
 
 
 def test_embedding_in_q8_0_when_asked_and_said(llama, tmp_path):
     artifact = compile_awq(llama, tmp_path / "art", format="gguf:q4_0")
-    out = lower(artifact, "gguf", tmp_path / "m.gguf", {"embedding_type": "q8_0"})
+    out = lower(artifact, "gguf", tmp_path / "m.gguf", {"embedding_type": "q8_0"}).path
     assert stored_types(out)["token_embd.weight"] == "Q8_0"
     assert any(n.startswith("embed_tokens: Q8_0 by round-to-nearest") for n in file_notes(out))
     _, tensors = read_gguf(out, torch.float32)
@@ -147,14 +147,16 @@ def test_a_pipeline_for_gguf_refuses_what_it_cannot_hold(llama, tmp_path):
 
 
 def test_awq_gguf_format_refuses_rows_no_block_divides(tmp_path):
+    from compiler.pipeline.selection import meta_model
     from passes.awq_plan import AWQOptions, plan_layers
 
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, dim=80, n_layers=1, n_heads=2, n_kv_heads=1,
                          intermediate_size=96)
     with pytest.raises(ConfigError, match="GGUF blocks of 32 do not divide in_features of .*80"):
-        plan_layers(config, AWQOptions(format="gguf:q4_0"))
-    plans, _ = plan_layers(ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, dim=96, n_layers=1, n_heads=2,
-                                       n_kv_heads=1, intermediate_size=256), AWQOptions(format="gguf:q4_k"))
+        plan_layers(meta_model(config), AWQOptions(format="gguf:q4_0"))
+    wide = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, dim=96, n_layers=1, n_heads=2, n_kv_heads=1,
+                       intermediate_size=256)
+    plans, _ = plan_layers(meta_model(wide), AWQOptions(format="gguf:q4_k"))
     assert plans["layers.0.mlp.down_proj"].block_type == "q4_k"  # 256 wide
     assert plans["layers.0.mlp.up_proj"].block_type == "q5_0" and "fallback" in plans["layers.0.mlp.up_proj"].reason
 

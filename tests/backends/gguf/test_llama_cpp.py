@@ -64,7 +64,7 @@ def first_real_disagreement(model, prompt, ours, theirs, tie: float) -> str | No
 @pytest.mark.parametrize("arch", ARCHS)
 def test_llama_cpp_runs_the_file_as_the_engine_runs_the_artifact(checkpoints, tmp_path, arch, fmt):
     artifact = compile_awq(checkpoints[arch], tmp_path / "art", **FORMATS[fmt])
-    path = lower(artifact, "gguf", tmp_path / "m.gguf")
+    path = lower(artifact, "gguf", tmp_path / "m.gguf").path
     reference = llama_cpp_reference(load_artifact(artifact).model)
     llm = llama(path)
     llm.reset()
@@ -84,7 +84,7 @@ def test_llama_cpp_runs_the_file_as_the_engine_runs_the_artifact(checkpoints, tm
 def test_llama_cpp_runs_stacked_experts(tmp_path, arch):
     """Qwen3-MoE and Mixtral: each layer's experts stacked per projection, the router in F32."""
     artifact = compile_awq(save_checkpoint(tmp_path, arch), tmp_path / "art", format="gguf:q4_0")
-    llm = llama(lower(artifact, "gguf", tmp_path / "m.gguf"))
+    llm = llama(lower(artifact, "gguf", tmp_path / "m.gguf").path)
     llm.eval(PROMPT)
     theirs = np.array(llm.scores[: len(PROMPT)])
     with torch.no_grad():
@@ -95,7 +95,7 @@ def test_llama_cpp_runs_stacked_experts(tmp_path, arch):
 
 def test_llama_cpp_tokenizes_as_the_artifacts_tokenizer(checkpoints, tmp_path):
     artifact = compile_awq(checkpoints["qwen2"], tmp_path / "art", format="gguf:q4_0")
-    path = lower(artifact, "gguf", tmp_path / "m.gguf")
+    path = lower(artifact, "gguf", tmp_path / "m.gguf").path
     tokenizer = load_artifact(artifact).tokenizer
     text = "def load(path: str) -> dict:\n    return json.loads(open(path).read())  # 42 times"
     assert llama(path).tokenize(text.encode(), add_bos=False, special=False) == tokenizer(text)["input_ids"]

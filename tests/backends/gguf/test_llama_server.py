@@ -36,7 +36,7 @@ def _free_port() -> int:
 def gguf_file(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama-server")
     artifact = compile_awq(save_checkpoint(root, "llama"), root / "art", format="gguf:q4_0")
-    return lower(artifact, "gguf", root / "m.gguf")
+    return lower(artifact, "gguf", root / "m.gguf").path
 
 
 def greedy_in_process(path: Path, tokens: int) -> list[int]:

@@ -48,7 +48,7 @@ def test_kind_gpu_repository_serves_the_engine_on_cuda(tiny_checkpoint_with_toke
 
     src, _ = tiny_checkpoint_with_tokenizer("llama")
     artifact = compile_model(src, PipelineConfig(), tmp_path / "art").path
-    model_dir = lower(artifact, "triton", tmp_path / "repo", {"device": "cuda", "name": "tiny"})
+    model_dir = lower(artifact, "triton", tmp_path / "repo", {"device": "cuda", "name": "tiny"}).path
     assert "kind: KIND_GPU" in (model_dir / "config.pbtxt").read_text()
     engine = Engine.from_artifact(artifact, "cuda")
     expected = [engine.generate(prompt=p, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids for p in PROMPTS]

@@ -39,7 +39,7 @@ def artifact(tmp_path, tiny_checkpoint_with_tokenizer):
 
 
 def test_repository_layout_and_config(artifact, tmp_path):
-    model_dir = lower(artifact, "triton", tmp_path / "repo", {"name": "m"})
+    model_dir = lower(artifact, "triton", tmp_path / "repo", {"name": "m"}).path
     assert model_dir == tmp_path / "repo" / "m"
     config = (model_dir / "config.pbtxt").read_text()
     for needle in ('backend: "python"', "decoupled: true", "kind: KIND_CPU", 'name: "text_input"', 'name: "max_tokens"',
@@ -54,12 +54,16 @@ def test_repository_layout_and_config(artifact, tmp_path):
 
 
 def test_cuda_lowering_asks_for_gpu_and_records_kernels(artifact, tmp_path):
-    manifest = json.loads((artifact / "manifest.json").read_text())
-    text = config_pbtxt("m", LowerOptions(device="cuda"), manifest, "artifact")
+    from dataclasses import replace
+
+    from compiler.io.artifact import read_manifest
+
+    record = read_manifest(artifact)
+    text = config_pbtxt("m", LowerOptions(device="cuda"), record, "artifact")
     assert "kind: KIND_GPU" in text and "paged_attention_decode" in text
-    assert "kind: KIND_MODEL" in config_pbtxt("m", LowerOptions(device="npu"), manifest, "artifact")
-    manifest["modules"] = {"layers.0.mlp.up_proj": {"format": "int4", "group_size": 128}}
-    precision, kernels = precision_and_kernels(manifest, "cuda")
+    assert "kind: KIND_MODEL" in config_pbtxt("m", LowerOptions(device="npu"), record, "artifact")
+    record = replace(record, modules={"layers.0.mlp.up_proj": {"format": "int4", "group_size": 128}})
+    precision, kernels = precision_and_kernels(record, "cuda")
     assert precision == "float32+int4" and "w4a16_int4_gemm" in kernels
 
 
@@ -143,4 +147,4 @@ def test_a_w4a8_plan_lowers_for_the_cpu_only(artifact, tmp_path):
     with pytest.raises(ConfigError, match="int4_compute .w4a8.*--device cpu"):
         lower(artifact, "triton", tmp_path / "repo", {"name": "m", "device": "cuda"})
     assert not (tmp_path / "repo" / "m").exists()
-    assert lower(artifact, "triton", tmp_path / "repo", {"name": "m"}).is_dir()
+    assert lower(artifact, "triton", tmp_path / "repo", {"name": "m"}).path.is_dir()

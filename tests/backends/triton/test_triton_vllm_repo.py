@@ -60,7 +60,7 @@ def _parse_config(model_dir: Path) -> model_config_pb2.ModelConfig:
 
 
 def test_repository_is_the_vllm_backends(int4, tmp_path):
-    model_dir = lower(int4, "triton", tmp_path / "repo", VLLM)
+    model_dir = lower(int4, "triton", tmp_path / "repo", VLLM).path
     assert model_dir == tmp_path / "repo" / "m"
     assert sorted(p.name for p in model_dir.iterdir()) == ["1", "config.pbtxt"]
     config = _parse_config(model_dir)
@@ -75,11 +75,11 @@ def test_repository_is_the_vllm_backends(int4, tmp_path):
 
 
 def test_checkpoint_is_the_vllm_targets_and_model_json_finds_it(int4, tmp_path):
-    model_dir = lower(int4, "triton", tmp_path / "repo", {**VLLM, "repository_root": "/srv/triton/"})
+    model_dir = lower(int4, "triton", tmp_path / "repo", {**VLLM, "repository_root": "/srv/triton/"}).path
     engine = json.loads((model_dir / "1" / "model.json").read_text())
     served = Path(engine["model"])
     assert served.is_absolute() and (tmp_path / "repo" / served.relative_to("/srv/triton")) == model_dir / "1" / "checkpoint"
-    reference = lower(int4, "vllm", tmp_path / "vllm")
+    reference = lower(int4, "vllm", tmp_path / "vllm").path
     compared = filecmp.dircmp(reference, model_dir / "1" / "checkpoint")
     assert sorted(os.listdir(reference)) == sorted(os.listdir(model_dir / "1" / "checkpoint"))
     _, mismatch, errors = filecmp.cmpfiles(reference, model_dir / "1" / "checkpoint", compared.common_files, shallow=False)
@@ -90,7 +90,7 @@ def test_fp8_kv_cache_asks_vllm_for_an_fp8_cache(checkpoint, tmp_path):
     fp8 = [{"name": "fp8", "input_shift": False, "max_layer_error": 10.0, "kv_cache_dtype": "float8_e4m3fn",
             "kv_cache_granularity": "per_tensor"}]
     artifact = _compile(checkpoint, tmp_path / "fp8", fp8)
-    engine = json.loads((lower(artifact, "triton", tmp_path / "repo", VLLM) / "1" / "model.json").read_text())
+    engine = json.loads((lower(artifact, "triton", tmp_path / "repo", VLLM).path / "1" / "model.json").read_text())
     assert engine["kv_cache_dtype"] == "fp8_e4m3" and engine["dtype"] == "float32"
 
 
@@ -100,7 +100,7 @@ def test_vllms_engine_args_take_model_json(int4, tmp_path):
     python = ROOT / ".venv-vllm" / "bin" / "python"
     if not python.exists():
         pytest.fail(f"vLLM is not installed at {python}; run scripts/setup_vllm.sh")
-    model_json = lower(int4, "triton", tmp_path / "repo", VLLM) / "1" / "model.json"
+    model_json = lower(int4, "triton", tmp_path / "repo", VLLM).path / "1" / "model.json"
     code = ("import json, sys; from vllm.engine.arg_utils import AsyncEngineArgs; "
             "a = AsyncEngineArgs(**json.load(open(sys.argv[1]))); print(a.model, a.dtype, a.max_model_len)")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

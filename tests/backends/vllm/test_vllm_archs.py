@@ -77,7 +77,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 def test_vllm_runs_the_architecture_as_the_engine_does(checkpoints, name, tmp_path):
     case, pipeline, kernel = MODELS[name]
     artifact = compile_for(checkpoints[case], pipeline, tmp_path / "artifact")
-    checkpoint = lower(artifact, "vllm", tmp_path / "vllm")
+    checkpoint = lower(artifact, "vllm", tmp_path / "vllm").path
     if kernel == "CPUExpertsInt4" and not HAS_AMX:
         assert_refused_without_amx(checkpoint, tmp_path / "vllm.log")
         return

@@ -59,7 +59,7 @@ def exported(tmp_path_factory) -> dict[str, Path]:
         pytest.fail(f"vLLM is not installed at {VLLM_PYTHON}; run scripts/setup_vllm.sh (scripts/setup.sh does)")
     root = tmp_path_factory.mktemp("vllm-host")
     checkpoint = save_checkpoint(root, "llama")
-    return {name: lower(compile_for(checkpoint, pipeline, root / f"artifact-{name}"), "vllm", root / f"vllm-{name}")
+    return {name: lower(compile_for(checkpoint, pipeline, root / f"artifact-{name}"), "vllm", root / f"vllm-{name}").path
             for name, pipeline in EXPORTS.items()}
 
 

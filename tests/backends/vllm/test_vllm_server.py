@@ -59,7 +59,7 @@ def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     out = {}
     for name, (arch, pipeline) in MODELS.items():
         artifact = compile_for(checkpoints[arch], pipeline, root / f"artifact-{name}")
-        out[name] = artifact, lower(artifact, "vllm", root / f"vllm-{name}")
+        out[name] = artifact, lower(artifact, "vllm", root / f"vllm-{name}").path
     return out
 
 

@@ -36,7 +36,7 @@ def _artifact(pipeline: dict, out: Path) -> Path:
     if not os.environ.get(PREBUILT):
         return compile_model("smollm2", config, out).path
     prebuilt = Path(os.environ[PREBUILT])
-    recorded = read_manifest(prebuilt)["pipeline"]
+    recorded = read_manifest(prebuilt).pipeline
     assert recorded == config.to_dict(), f"{PREBUILT}={prebuilt} was compiled from another pipeline: {recorded}"
     return prebuilt
 
@@ -55,7 +55,7 @@ def test_smollm2_awq_perplexity_on_vllm_matches_qcompile_eval(tmp_path):
     assert VLLM_PYTHON.exists(), "vLLM is not installed; run scripts/setup_vllm.sh"
     pipeline = tomllib.loads((ROOT / "examples" / "awq_g128_vllm.toml").read_text())
     artifact = _artifact(pipeline, tmp_path / "awq")
-    checkpoint = lower(artifact, "vllm", tmp_path / "awq-vllm")
+    checkpoint = lower(artifact, "vllm", tmp_path / "awq-vllm").path
     if not vllm_here().w4a16:
         assert_vllm_refuses_int4(checkpoint, tmp_path / "vllm.log")
         assert_decompresses_to_the_artifact(artifact, checkpoint, tmp_path / "decompressed.safetensors")

@@ -277,9 +277,9 @@ def compare_with_engine(artifact: Path, url: str, model_name: str, dtype: str | 
     ``dtype``: the checkpoint's, where it is not the artifact's (a float32 artifact with INT4 layers is
     written in float16); the artifact is then taken in that dtype, as vLLM runs it."""
     loaded = _as_served(artifact, dtype)
-    dtype = loaded.manifest["dtype"] if dtype is None else dtype
+    dtype = loaded.manifest.dtype_name if dtype is None else dtype
     reference = vllm_cpu_reference(loaded.model)  # the artifact's math in float32, rounded where vLLM's CPU kernels round
-    if loaded.manifest.get("kv_cache"):
+    if loaded.manifest.kv_cache:
         expected, judge = [_greedy_decode(reference, p) for p in PROMPTS], reference
     else:
         # W4A16, as vLLM computes INT4 (the engine's default on a CPU is W4A8)
@@ -295,7 +295,7 @@ def compare_with_engine(artifact: Path, url: str, model_name: str, dtype: str | 
     errors = (torch.tensor(window_logprobs(url, model_name, window)) - exact).abs()
     err, median = float(errors.max()), float(errors.median())
     result = {"max_logprob_error": err, "median_logprob_error": median, "engine_max_logprob_error": engine_err}
-    if any(fmt.get("activation_scheme") in ("dynamic", "static") for fmt in loaded.manifest["modules"].values()):
+    if any(fmt.get("activation_scheme") in ("dynamic", "static") for fmt in loaded.manifest.modules.values()):
         within = float((errors < LOGPROB_FLOOR[dtype]).float().mean())
         result["share_within_floor"] = within
         assert within >= FP8_EXACT_SHARE and err < FP8_CODE_FLIP, f"vLLM's prompt log-probabilities differ: {result}"

@@ -26,9 +26,9 @@ def test_float_artifact_round_trip(tiny_checkpoint_with_tokenizer, tmp_path):
         assert torch.equal(loaded.model(x), result.loaded.model(x))
     assert loaded.tokenizer("def f(x)")["input_ids"] == result.loaded.tokenizer("def f(x)")["input_ids"]
     m = read_manifest(result.path)
-    assert m["schema_version"] == 1 and m["source"]["kind"] == "hf" and len(m["source"]["sha256"]) == 64
-    assert m["pipeline"]["passes"] == [] and m["aliases"] == {"lm_head.weight": "embed_tokens.weight"}
-    assert all(len(t["sha256"]) == 64 for t in m["tensors"].values())
+    assert m.to_json()["schema_version"] == 1 and m.source.kind == "hf" and len(m.source.sha256) == 64
+    assert m.pipeline["passes"] == [] and m.aliases == {"lm_head.weight": "embed_tokens.weight"}
+    assert all(len(t["sha256"]) == 64 for t in m.tensors.values())
     assert loaded.model.lm_head.weight is loaded.model.embed_tokens.weight
 
 
@@ -48,8 +48,8 @@ def test_int4_artifact_round_trip(tiny_checkpoint, tmp_path):
     q = back.model.layers[0].mlp.down_proj
     assert isinstance(q, Int4Linear) and q.format_meta()["padded_in_features"] == 128
     manifest = read_manifest(tmp_path / "int4")
-    assert manifest["modules"]["layers.0.self_attn.q_proj"]["format"] == "int4"
-    assert manifest["tensors"]["layers.0.self_attn.q_proj.qweight"]["dtype"] == "uint8"
+    assert manifest.modules["layers.0.self_attn.q_proj"]["format"] == "int4"
+    assert manifest.tensors["layers.0.self_attn.q_proj.qweight"]["dtype"] == "uint8"
 
 
 def test_existing_output_needs_force(tiny_checkpoint, tmp_path):
@@ -133,3 +133,43 @@ def test_schema_version_and_missing_manifest(artifact, tmp_path):
     (artifact / "manifest.json").write_text("{")
     with pytest.raises(ArtifactError, match="corrupt"):
         load_artifact(artifact)
+
+
+def test_the_manifest_reads_back_as_the_record_it_was_written_from(tiny_checkpoint, tmp_path):
+    """``read_manifest`` gives the ``ArtifactRecord`` the writer wrote: typed fields, the entries passes
+    declared as ``extras``, and its JSON exactly the file's."""
+    from artifact_helpers import read_raw_manifest
+
+    from compiler.io.artifact import ArtifactRecord, manifest_sha256, save_artifact
+
+    src, _ = tiny_checkpoint("llama")
+    loaded = load_checkpoint(src)
+    loaded.model.set_submodule("layers.0.mlp.up_proj", Int4Linear.from_float(loaded.model.layers[0].mlp.up_proj, 32))
+    pipeline, reports, serving = {"passes": [{"name": "rtn"}]}, [{"name": "rtn", "metrics": {"layers": 1}}], {"block_size": 8}
+    save_artifact(tmp_path / "a", loaded.model, None, loaded.source, pipeline, reports, {"serving": serving})
+    record = read_manifest(tmp_path / "a")
+    assert (record.config, record.dtype, record.source) == (loaded.model.config, torch.float32, loaded.source)
+    assert (record.pipeline, record.reports, record.extras) == (pipeline, reports, {"serving": serving})
+    assert record.serving == serving and record.kv_cache is None and record.dtype_name == "float32"
+    assert record.modules == {"layers.0.mlp.up_proj": loaded.model.layers[0].mlp.up_proj.format_meta()}
+    assert record.aliases == {} and not record.has_tokenizer and record.tokenizer_files == {}
+    raw = read_raw_manifest(tmp_path / "a")
+    assert record.to_json() == raw
+    assert list(raw) == ["schema_version", "created", "source", "model_config", "dtype", "pipeline", "passes", "modules",
+                         "tensors", "aliases", "tokenizer", "tokenizer_files", "serving"]  # the file's layout, extras last
+    assert ArtifactRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
+    assert record.sha256 == manifest_sha256(raw)  # what the weights file vouches for (the GGUF file records it)
+
+
+def test_a_sealed_manifest_qcompile_did_not_write_is_one_line(tiny_checkpoint, tmp_path):
+    """A manifest whose checksum matches but that lacks what qcompile writes: an ArtifactError, not a KeyError."""
+    from artifact_helpers import read_raw_manifest, rewrite_manifest
+
+    src, _ = tiny_checkpoint("llama")
+    path = compile_model(src, PipelineConfig(), tmp_path / "art").path
+    manifest = read_raw_manifest(path)
+    del manifest["model_config"]
+    rewrite_manifest(path, manifest)
+    with pytest.raises(ArtifactError, match="not a qcompile manifest .KeyError: 'model_config'.; recompile") as e:
+        load_artifact(path)
+    assert "\n" not in str(e.value)

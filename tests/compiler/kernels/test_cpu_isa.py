@@ -111,7 +111,7 @@ loaded = load_checkpoint(sys.argv[1])
 for layer in loaded.model.layers:
     layer.mlp.down_proj = Int4Linear.from_float(layer.mlp.down_proj, 32)
 engine = Engine(loaded.model, None, ServingPlan(int4_compute="w4a8"), "cpu")
-print(json.dumps(engine.kernels))
+print(json.dumps(engine.load_report.kernels))
 """
 
 

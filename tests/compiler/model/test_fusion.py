@@ -159,6 +159,6 @@ def test_other_formats_are_named_in_the_reason(tiny_checkpoint):
 def test_engine_fuses_unless_the_plan_says_not_to(tiny_checkpoint):
     path = tiny_checkpoint("llama")[0]
     engine = Engine.from_loaded(load_checkpoint(path), device="cpu")
-    assert len(engine.fusion["fused"]) == 4 and engine.model.layers[0].self_attn.qkv_proj is not None
+    assert len(engine.load_report.fusion["fused"]) == 4 and engine.model.layers[0].self_attn.qkv_proj is not None
     plain = Engine.from_loaded(load_checkpoint(path), device="cpu", fuse_projections=False)
-    assert plain.fusion == {} and hasattr(plain.model.layers[0].self_attn, "q_proj")
+    assert plain.load_report.fusion == {} and hasattr(plain.model.layers[0].self_attn, "q_proj")

@@ -4,13 +4,14 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from compiler.deploy.targets import TARGETS, TargetSpec
+from compiler.deploy.targets import TARGETS, Target
 from compiler.errors import ConfigError, PassError, PipelineValidationError
 from compiler.model.config import ModelConfig
 from compiler.pipeline import (
     PASSES,
     Pass,
     PassContext,
+    PassPlan,
     PassReport,
     Pipeline,
     PipelineConfig,
@@ -33,8 +34,8 @@ class ClaimA(Pass):
     Options = ClaimOptions
     provides = frozenset({"a_done"})
 
-    def planned_formats(self, config):
-        return {m: {"format": "test4", "group_size": self.options.group_size} for m in self.options.layers}
+    def plan(self, model):
+        return PassPlan({m: {"format": "test4", "group_size": self.options.group_size} for m in self.options.layers})
 
     def run(self, model, context):
         if self.options.fail:
@@ -51,8 +52,9 @@ class NeedsA(ClaimA):
 @pytest.fixture(autouse=True)
 def registered():
     PASSES.update({c.name: c for c in (ClaimA, NeedsA)})
-    TARGETS["test_target"] = TargetSpec("test_target", "accepts group 32 only",
-                                        lambda m, f: None if f.get("group_size") == 32 else f"group_size {f.get('group_size')} (needs 32)")
+    TARGETS["test_target"] = Target("test_target", "accepts group 32 only",
+                                    lambda m, f: None if f.get("group_size") == 32 else f"group_size {f.get('group_size')} (needs 32)",
+                                    lower=None)  # validation only
     yield
     for c in (ClaimA, NeedsA):
         PASSES.pop(c.name)
@@ -72,7 +74,7 @@ def test_toml_round_trip(tmp_path):
 
 
 def test_no_passes_is_valid():
-    assert pipeline([]).validate(CONFIG) == {}
+    assert pipeline([]).validate(CONFIG).formats == {}
 
 
 @pytest.mark.parametrize("doc, message", [

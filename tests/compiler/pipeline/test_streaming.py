@@ -15,11 +15,16 @@ import passes  # noqa: F401  (registers the passes)
 from compiler.errors import ConfigError
 from compiler.io.artifact import load_artifact
 from compiler.io.checkpoint import hf_config
+from compiler.io.load import load_checkpoint
 from compiler.io.stream import BlockReader, StreamedCheckpoint
 from compiler.pipeline import Pipeline, PipelineConfig
-from compiler.pipeline.compile import compile_model
+from compiler.pipeline.compile import compile_loaded, compile_model
 from compiler.model.transformer import Transformer
 from compiler.pipeline.memory import RUNTIME_BYTES, MemoryPlanError, format_size, parse_size, plan_memory
+from compiler.pipeline.selection import meta_model
+from passes.awq_plan import plan_layers
+
+from call_recorder import record_calls, record_calls_everywhere
 
 TINY = dict(num_hidden_layers=3)  # conftest's tiny Llama otherwise: hidden 64, GQA 4 heads on 2
 CALIB = {"samples": 6, "seq_len": 32}  # and a small corpus (``small_corpus``): tokenizing pydoc dominates otherwise
@@ -72,7 +77,7 @@ def test_streamed_artifact_is_byte_for_byte_the_in_memory_one(tiny_checkpoint_wi
     ids = torch.randint(0, reloaded.model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(reloaded.model(ids), in_memory.loaded.model(ids))
-    formats = {m["format"] for m in reloaded.manifest["modules"].values()}
+    formats = {m["format"] for m in reloaded.manifest.modules.values()}
     assert formats == {"int4" if name == "awq" else "fp8"}
 
 
@@ -108,7 +113,7 @@ def test_streamed_gguf_is_byte_for_byte_the_in_memory_one(tiny_gguf, tmp_path, s
     assert list(got) == list(expected)
     assert [f for f in expected if got[f] != expected[f]] == []
     reloaded = load_artifact(tmp_path / "streamed")
-    assert reloaded.manifest["source"]["kind"] == "gguf" and reloaded.tokenizer is not None
+    assert reloaded.manifest.source.kind == "gguf" and reloaded.tokenizer is not None
 
 
 @pytest.mark.parametrize("case", ["qwen3-moe", "gemma3", "deepseek-v3"])
@@ -169,6 +174,23 @@ def test_streamed_compile_holds_one_block_at_a_time(tiny_checkpoint_with_tokeniz
     assert len(blocks) == TINY["num_hidden_layers"]
 
 
+@pytest.mark.parametrize("way", ["in memory", "streamed", "already loaded"])
+def test_a_compile_validates_once_and_plans_once(tiny_checkpoint_with_tokenizer, tmp_path, monkeypatch, way):
+    """One way through a compile: the pipeline is built and validated once, and the meta model, the
+    layer plan and the memory plan are made once and handed down, not worked out again by each check."""
+    src, _ = tiny_checkpoint_with_tokenizer("llama", **TINY)
+    loaded = load_checkpoint(src) if way == "already loaded" else None
+    built, validated = record_calls(monkeypatch, Pipeline, "__init__"), record_calls(monkeypatch, Pipeline, "validate")
+    planned = {f.__name__: record_calls_everywhere(monkeypatch, f) for f in (meta_model, plan_layers, plan_memory)}
+    if loaded:
+        compile_loaded(loaded, pipeline("awq"), tmp_path / "out")
+    else:
+        result = compile_model(src, pipeline("awq"), tmp_path / "out", streaming="on" if way == "streamed" else "off")
+        assert result.streamed == (way == "streamed")
+    assert (len(built), len(validated)) == (1, 1)
+    assert {name: len(calls) for name, calls in planned.items()} == {"meta_model": 1, "plan_layers": 1, "plan_memory": 1}
+
+
 def test_a_compile_that_will_not_fit_stops_before_any_work(tiny_checkpoint_with_tokenizer, tmp_path, monkeypatch):
     src, _ = tiny_checkpoint_with_tokenizer("llama", **TINY)
 
@@ -194,8 +216,9 @@ def test_auto_streams_when_only_the_streamed_plan_fits(tiny_checkpoint_with_toke
     src, _ = tiny_checkpoint_with_tokenizer("llama", **{**TINY, "num_hidden_layers": 6})
     monkeypatch.setitem(PIPELINES, "awq", [{**PIPELINES["awq"][0], "weight_rounding": "nearest"}])  # faster
     p = Pipeline(pipeline("awq"))
-    in_memory = plan_memory(p.passes, hf_config(src), p.config.calibration, torch.float32, streamed=False).total
-    streamed = plan_memory(p.passes, hf_config(src), p.config.calibration, torch.float32, streamed=True).total
+    model = meta_model(hf_config(src))
+    in_memory = plan_memory(p.passes, model, p.config.calibration, torch.float32, streamed=False).total
+    streamed = plan_memory(p.passes, model, p.config.calibration, torch.float32, streamed=True).total
     assert streamed < in_memory
     limit = (streamed + in_memory) // 2
     assert compile_model(src, pipeline("awq"), tmp_path / "auto", memory_limit=limit).streamed
@@ -208,11 +231,11 @@ def test_auto_streams_when_only_the_streamed_plan_fits(tiny_checkpoint_with_toke
 def test_the_plan_counts_a_quantized_lm_head(tiny_checkpoint_with_tokenizer, tied):
     # a vocabulary wide enough that the head (1024 x 64) is AWQ's widest scaling group
     src, _ = tiny_checkpoint_with_tokenizer("llama", **TINY, vocab_size=1024, tie_word_embeddings=tied)
-    config = hf_config(src)
+    model = meta_model(hf_config(src))
 
     def awq_terms(**options):
         p = Pipeline(PipelineConfig.from_dict({"calibration": CALIB, "passes": [{**PIPELINES["awq"][0], **options}]}))
-        return plan_memory(p.passes, config, p.config.calibration, torch.float32, streamed=True).passes["awq"]
+        return plan_memory(p.passes, model, p.config.calibration, torch.float32, streamed=True).passes["awq"]
 
     float_head, int4_head = awq_terms(), awq_terms(modules_to_not_convert=[])
     assert float_head["scale and clip search"] < int4_head["scale and clip search"] == 4 * 1024 * 64 * 4
@@ -227,8 +250,8 @@ def test_an_in_memory_plan_counts_the_converted_weights_beside_the_float_ones(ti
     src, _ = tiny_checkpoint_with_tokenizer("llama", **TINY)
     config = hf_config(src)
     p = Pipeline(PipelineConfig.from_dict({"calibration": CALIB, "passes": PIPELINES[name]}))
-    in_memory, streamed = (plan_memory(p.passes, config, p.config.calibration, torch.float32, streamed=s).passes[name]
-                           for s in (False, True))
+    in_memory, streamed = (plan_memory(p.passes, meta_model(config), p.config.calibration, torch.float32,
+                                       streamed=s).passes[name] for s in (False, True))
     block = sum(t.numel() for t in Transformer(config).layers[0].parameters())
     assert in_memory[term] == int(config.n_layers * block * bytes_per_weight) and term not in streamed
 

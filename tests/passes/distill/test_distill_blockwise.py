@@ -57,7 +57,7 @@ def test_distill_pass_reconstructs_blocks_before_training(tiny_checkpoint_with_t
         {"name": "awq", "group_size": 32},
         {"name": "distill", "teacher": str(path), "steps": 2, "seq_len": 32, "eval_windows": 4, "eval_len": 64,
          "block_epochs": 2, "block_sequences": 8, "block_lr": 1e-3}]})
-    metrics = load_artifact(compile_model(path, config, tmp_path / "art").path).manifest["passes"][1]["metrics"]
+    metrics = load_artifact(compile_model(path, config, tmp_path / "art").path).manifest.reports[1]["metrics"]
     print({k: v for k, v in metrics.items() if k.startswith("block") or k.startswith("kl")})
     assert len(metrics["block_mse_before"]) == len(metrics["block_mse_after"]) == 2
     assert sum(metrics["block_mse_after"]) < sum(metrics["block_mse_before"])
@@ -87,7 +87,7 @@ def test_steps_zero_runs_the_block_phase_alone(tiny_checkpoint_with_tokenizer, t
     from compiler.kernels.int4_cpu import reference_only
 
     with reference_only():  # Int4Linear in float32, as the fake-quantized student (not the CPU kernel's bf16)
-        metrics = load_artifact(compile_model(path, config, tmp_path / "art").path).manifest["passes"][1]["metrics"]
+        metrics = load_artifact(compile_model(path, config, tmp_path / "art").path).manifest.reports[1]["metrics"]
     assert metrics["steps"] == 0 and metrics["tokens_trained"] == 0
     # re-packed INT4 computes what the fake-quantized student did
     assert metrics["kl_after"] == pytest.approx(metrics["kl_after_blocks"], rel=1e-3)

@@ -18,7 +18,6 @@ from backends.onnx.export import OnnxExportOptions, export_onnx
 from compiler.errors import ConfigError
 from compiler.io.artifact import load_artifact
 from compiler.kernels.int4_cpu import reference_only
-from serving.adapters._stream import sample
 from serving.adapters.ascend import (
     AscendAdapter,
     BackendUnavailable,
@@ -26,6 +25,7 @@ from serving.adapters.ascend import (
     npu_device,
 )
 from serving.adapters.onnx import OnnxRuntimeAdapter
+from serving.request import Request
 from serving.types import SamplingParams
 
 DOUBLES = Path(__file__).resolve().parents[2] / "doubles"
@@ -182,12 +182,13 @@ def test_onnx_adapter_standard_attention_bundle_serves_one_at_a_time(artifact_wi
 
 
 def test_sampling_filters():
-    rng = np.random.default_rng(0)
-    logits = np.array([0.0, 3.0, 1.0, 2.9])
-    assert sample(logits, SamplingParams(temperature=1.0, top_k=1), rng) == 1
-    assert sample(logits, SamplingParams(temperature=1.0, top_p=0.01), rng) == 1
-    draws = {sample(logits, SamplingParams(temperature=1.0, top_k=2), rng) for _ in range(200)}
-    assert draws == {1, 3}
+    """The one sampler (``serving.sampling``), on logits as an adapter's runtime gives them (NumPy)."""
+    request = Request("r", [1], SamplingParams(temperature=1.0, top_k=1, seed=0), [], None)
+    logits = np.array([0.0, 3.0, 1.0, 2.9], np.float32)
+    assert request.sample(logits) == 1
+    assert Request("r", [1], SamplingParams(temperature=1.0, top_p=0.01), [], None).sample(logits) == 1
+    top2 = Request("r", [1], SamplingParams(temperature=1.0, top_k=2, seed=0), [], None)
+    assert {top2.sample(logits) for _ in range(200)} == {1, 3}
 
 
 class OrtOmSessionDouble:

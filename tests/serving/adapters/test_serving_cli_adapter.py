@@ -45,6 +45,12 @@ def test_generate_command_rejects_an_impossible_request(tiny_artifact, monkeypat
     assert err.startswith("error: ") and "exceeds" in err and "Traceback" not in err and len(err.strip().splitlines()) <= 2
 
 
+def test_generate_command_refuses_bad_sampling_parameters_in_one_line(tiny_artifact, monkeypatch, capsys):
+    code, out, err = run_cli(monkeypatch, capsys, "generate", str(tiny_artifact), "hi", "--top-p", "0")
+    assert code == 2 and err.startswith("error: ") and "top_p must be in (0, 1], got 0.0" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_engine_adapter_streams_text_and_token_prompts(tiny_artifact):
     from serving.adapters.engine import EngineAdapter
 

@@ -1,12 +1,15 @@
 """Does vLLM's CPU build run DeepSeek-V3 as transformers does? (Why ``--target vllm`` refuses it.)
 
+A one-off probe, kept beside its study (2026-12-deepseek-v3-vllm-cpu.md); it was
+benchmarks/vllm_deepseek_probe.py until issue 46 (last there at commit 64101ec).
+
 Tiny random DeepSeek-V3 checkpoints (``tests/arch_helpers.py``; MLA with kv_lora_rank 512 and a
 64-wide rope part, the one latent width vLLM 0.32's CPU MLA kernel takes), one with its MoE layer
 and one with dense layers only, run in float32 by transformers and by vLLM (``.venv-vllm``, CPU_MLA
 attention, eager): the prompt log-probabilities of one 10-token prompt, and 12 greedy tokens after
 prompts of 1, 2 and 6 tokens.
 
-    python benchmarks/vllm_deepseek_probe.py   # prints the comparison; --output-json FILE keeps every figure
+    python docs/notes/2026-12-deepseek-v3-vllm-cpu.py   # prints the comparison; --output-json FILE keeps every figure
 
 Two config keys transformers' DeepseekV3Config does not write are added (vLLM reads them, and
 without them routes by softmax and fails on ``e_score_correction_bias``): ``topk_method = "noaux_tc"``,
@@ -22,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

@@ -1,26 +1,35 @@
 """CPU timing of the FP8 GEMM paths against a float32 matmul, on SmolLM2-135M's Linear shapes.
 
+Kept beside its study (2026-11-fp8-gemm-cpu.md); it was benchmarks/fp8_gemm.py until issue 46 (last
+there at commit 64101ec). It times ``_scaled_mm`` and the dequantize reference, paths ``Fp8Linear`` no
+longer takes by default on the CPU (it multiplies by a float32 copy of its weight, or runs qcompile's
+FP8 kernel on its codes: ``compiler/kernels/dispatch.py``), and ``Fp8Linear`` as it is now.
+
 For each shape (M tokens × K in → N out) it times, in one run: the float32 ``x @ w.T``
 (baseline), the dequantize reference, ``torch._scaled_mm`` and the whole ``Fp8Linear`` forward
 (dynamic per-token activation quantization + ``_scaled_mm``); each as the median of
 ``--repeats`` runs, reported as a ratio to the baseline, with each path's relative error
 against the dequantize reference and against float32.
 
-    python benchmarks/fp8_gemm.py --tokens 512 --repeats 20
+    python docs/notes/2026-11-fp8-gemm-cpu.py --tokens 512 --repeats 20
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from compiler.formats.fp8 import Fp8Linear
-from compiler.kernels.fp8_gemm import dequant_gemm, scaled_mm_gemm
-from compiler.quant.fp8 import quantize_per_token
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from compiler.formats.fp8 import Fp8Linear  # noqa: E402
+from compiler.kernels.fp8_gemm import dequant_gemm, scaled_mm_gemm  # noqa: E402
+from compiler.quant.fp8 import quantize_per_token  # noqa: E402
 
 # (name, in_features K, out_features N) of SmolLM2-135M's Linears
 SHAPES = [("q_proj / o_proj", 576, 576), ("k_proj / v_proj", 576, 192), ("gate / up", 576, 1536), ("down_proj", 1536, 576)]

@@ -1,0 +1,64 @@
+"""One KV-cache plan: the paged_kv pass computes it (``plan_kv_cache``) and records it in the
+manifest, the engine builds its cache from the recorded plan; an FP8 cache's need for calibrated
+scales is paged_kv's ``requires``, refused before any pass runs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from artifact_helpers import rewrite_manifest
+
+import passes  # noqa: F401  (registers paged_kv and fp8)
+from compiler.deploy.serving_plan import KVCachePlan
+from compiler.errors import PipelineValidationError
+from compiler.io.load import load_checkpoint
+from compiler.model.config import ModelConfig
+from compiler.pipeline import PASSES, Pipeline, PipelineConfig
+from compiler.pipeline.compile import compile_model
+from serving.engine import Engine
+
+BUDGET_MB = 0.05  # a few blocks of the tiny model: the count comes from the budget, not a num_blocks
+
+
+def test_the_engine_builds_the_cache_the_pass_recorded(tiny_checkpoint, tmp_path):
+    path, _ = tiny_checkpoint()
+    result = compile_model(path, PipelineConfig.from_dict({"passes": [
+        {"name": "paged_kv", "block_size": 8, "kv_memory_mb": BUDGET_MB}]}), tmp_path / "art")
+    recorded = json.loads((result.path / "manifest.json").read_text())["serving"]
+    metrics = result.reports[-1].metrics
+    assert recorded["num_blocks"] == metrics["num_blocks"] > 1 and recorded["kv_dtype"] == metrics["kv_dtype"] == "float32"
+    engine = Engine.from_artifact(result.path, "cpu")
+    plan = engine.load_report.kv_cache
+    assert isinstance(plan, KVCachePlan) and (plan.kv_dtype, plan.num_blocks, plan.block_size) == ("float32", recorded["num_blocks"], 8)
+    assert engine.cache.spec.num_blocks == recorded["num_blocks"] and round(plan.mib, 2) == metrics["kv_cache_mib"]
+    # the engine reads the recorded plan, it does not plan again from the memory budget
+    manifest = json.loads((result.path / "manifest.json").read_text())
+    manifest["serving"]["num_blocks"] -= 1
+    rewrite_manifest(result.path, manifest)
+    assert Engine.from_artifact(result.path, "cpu").cache.spec.num_blocks == recorded["num_blocks"] - 1
+    # and a model without a recorded plan gets the same cache from the same budget (one planning function)
+    unplanned = Engine.from_loaded(load_checkpoint(path), "cpu", block_size=8, kv_memory_mb=BUDGET_MB)
+    assert unplanned.load_report.kv_cache == plan
+
+
+CONFIG = ModelConfig("LlamaForCausalLM", vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                     intermediate_size=96)
+
+
+@pytest.mark.parametrize("before", [[], [{"name": "fp8", "kv_cache_dtype": "none"}],
+                                    [{"name": "fp8", "convert_linears": False, "kv_cache_dtype": "float8_e5m2"}]])
+def test_an_fp8_cache_without_fp8_scales_before_it_is_refused_before_any_pass_runs(before, monkeypatch):
+    ran = []
+    for cls in PASSES.values():
+        monkeypatch.setattr(cls, "run", lambda self, *a, **k: ran.append(self.name))
+    pipeline = Pipeline(PipelineConfig.from_dict({"passes": [*before, {"name": "paged_kv", "kv_dtype": "float8_e4m3fn"}]}))
+    with pytest.raises(PipelineValidationError, match=r"\(paged_kv\): requires fp8_kv_cache, which no earlier pass "
+                                                      r"provides; run fp8 before it") as e:
+        pipeline.validate(CONFIG)
+    assert "\n" not in str(e.value) and ran == []
+
+
+def test_an_fp8_cache_after_the_fp8_scales_validates():
+    pipeline = Pipeline(PipelineConfig.from_dict({"passes": [
+        {"name": "fp8", "kv_cache_dtype": "float8_e4m3fn"}, {"name": "paged_kv", "kv_dtype": "float8_e4m3fn"}]}))
+    pipeline.validate(CONFIG)  # no error: the fp8 pass provides the scales paged_kv requires
