@@ -319,7 +319,10 @@ class AwqStream(BlockStream):
         units = {key: cs for key, cs in units.items() if len(cs) == members[key]}
         def extra(cs: list[Candidate]) -> float:
             return sum(c.extra_bits for c in cs)
+        kl_gains = self._kl_gains(units) if self.reference is not None else None
         def gain(cs: list[Candidate]) -> float:
+            if kl_gains is not None:
+                return kl_gains[sensitivity_unit(cs[0].name, self.opts)] / max(extra(cs), 1.0)
             return sum(c.row.metrics["output_error"] - c.error for c in cs) / max(extra(cs), 1.0)
         before = self.average_bits() if self.opts.average_bits is not None else None
         if before is None:
@@ -328,7 +331,7 @@ class AwqStream(BlockStream):
             budget = (self.opts.average_bits - before) * self.weights
         spent, chosen, layers = 0.0, [], 0
         for key, cs in sorted(units.items(), key=lambda unit: gain(unit[1]), reverse=True):
-            if spent + extra(cs) > budget:
+            if spent + extra(cs) > budget or (kl_gains is not None and kl_gains[key] <= 0):
                 continue
             spent += extra(cs)
             chosen.append(key)
@@ -336,13 +339,36 @@ class AwqStream(BlockStream):
             for c in cs:
                 self._upgrade(c)
         self.wider = []
+        measure = ("the model's KL from float it removes on the validation windows" if kl_gains is not None
+                   else "measured error reduction")
         if before is None:
-            return (f"q4_k_m: {layers} of the layers in the wider type, chosen by measured error reduction per bit "
+            return (f"q4_k_m: {layers} of the layers in the wider type, chosen by {measure} per bit "
                     f"within llama.cpp's Q4_K_M budget for this model ({spent / 8e6:.2f} of {budget / 8e6:.2f} MB extra)")
         return (f"average_bits {self.opts.average_bits}: {layers} of {len(self.plans)} layers in INT8 (W8A16), "
-                "chosen by measured output error reduction per extra bit (q/k/v, gate/up and a layer's experts "
+                f"chosen by {measure} per extra bit (q/k/v, gate/up and a layer's experts "
                 f"together): {compact_names(chosen) or 'none'}; {self.average_bits():.3f} bits per weight over the "
                 f"converted layers (all INT4: {before:.3f})")
+
+    @torch.no_grad()
+    def _kl_gains(self, units: dict[str, list[Candidate]]) -> dict[str, float]:
+        """``sensitivity = "kl"``: for each unit, the whole quantized model's mean per-token KL from the
+        float model on the validation windows, less the same with that unit alone on its wider grid —
+        the end-to-end gain, where a layer's own output error misses what follows it. One forward per unit."""
+        windows = self.context.validation_windows(self.opts.validation_windows)
+        logits = teacher_logits(self.reference, windows)
+        def kl() -> float:
+            return compare_on_windows(self.reference, self.model, windows, reference=logits)["kl"]
+        base, gains = kl(), {}
+        for key, cs in track(list(units.items()), "awq: KL each unit's wider grid removes"):
+            narrow = [self.model.get_submodule(c.name) for c in cs]
+            for c in cs:
+                self.model.set_submodule(c.name, c.module)
+            try:
+                gains[key] = base - kl()
+            finally:
+                for c, module in zip(cs, narrow):
+                    self.model.set_submodule(c.name, module)
+        return gains
 
     def _upgrade(self, c: Candidate) -> None:
         """Swap in ``c``'s wider module and say so in its row."""

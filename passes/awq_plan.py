@@ -84,9 +84,12 @@ class AWQOptions:
 
     ``sensitivity = "kl"``: after the compile, each converted layer's mean per-token KL from the
     float model when it alone is quantized (``kl_alone``), on ``validation_windows`` windows of the
-    calibration corpus' validation region. Costs a float copy of the model (scales folded) and one
-    forward over those windows per converted layer: on SmolLM2 210 forwards of 4 x 512 tokens, about
-    10 s each on 2 busy cores, over half an hour (fewer ``validation_windows`` cut it); compiled whole.
+    calibration corpus' validation region. With ``average_bits`` (or ``gguf:q4_k_m``) it also chooses
+    the wider units by end-to-end gain: the whole INT4 model's KL from float on those windows less the
+    same with that unit alone on the wider grid, per extra bit, where the default ranks units by their
+    own output error. Costs a float copy of the model (scales folded) and one forward over those
+    windows per converted layer and per unit: on SmolLM2 210 + 120 forwards of 4 x 512 tokens, about
+    10 s each on 2 busy cores, about an hour (fewer ``validation_windows`` cut it); compiled whole.
     """
 
     group_size: int = 128

@@ -4,6 +4,7 @@ sensitive layers, ``average_bits`` (INT4 with INT8 for the units it helps most p
 artifact's round trip, the refusals, and ``scale_refit``."""
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from collections import defaultdict
@@ -231,3 +232,35 @@ def test_scale_refit_never_raises_a_layers_output_error(checkpoint, tmp_path):
     assert len(after) >= 10 and all(after[n] <= before[n] * (1 + 1e-6) for n in after), [
         (n, before[n], after[n]) for n in after if after[n] > before[n]]
     assert sum(after.values()) < sum(before[n] for n in after)
+
+
+@torch.no_grad()
+def test_with_kl_sensitivity_int8_goes_to_the_units_removing_most_end_to_end_kl_per_bit(checkpoint):
+    loaded, teacher = load_checkpoint(checkpoint), load_checkpoint(checkpoint).model
+    opts = AWQOptions(**UNSCALED, average_bits=AVERAGE_BITS, sensitivity="kl", validation_windows=2)
+    context = PassContext(loaded.tokenizer, config().calibration)
+    windows = context.validation_windows(2)
+    stream = AWQPass(opts).stream(loaded.model, context)
+    for i in range(len(loaded.model.layers)):
+        stream.block(i)
+    units = defaultdict(list)
+    for c in stream.wider:
+        units[sensitivity_unit(c.name, opts)].append(c)
+    base = compare_on_windows(teacher, loaded.model, windows)["kl"]
+    gains = {}
+    for key, members in units.items():  # unscaled AWQ: the float model is the checkpoint itself
+        student = copy.deepcopy(loaded.model)
+        for c in members:
+            student.set_submodule(c.name, c.module)
+        gains[key] = (base - compare_on_windows(teacher, student, windows)["kl"]) / sum(c.extra_bits for c in members)
+    weights = sum(c.module.in_features * c.module.out_features for c in stream.wider)
+    budget, spent, expected = (AVERAGE_BITS - stream.average_bits()) * weights, 0.0, set()
+    for key in sorted(gains, key=gains.get, reverse=True):
+        extra = sum(c.extra_bits for c in units[key])
+        if spent + extra <= budget and gains[key] > 0:
+            spent += extra
+            expected |= {c.name for c in units[key]}
+    report = stream.finish()
+    chosen = {r.module for r in report.layers if r.format == "int8"}
+    assert chosen == expected and chosen
+    assert any("KL from float it removes" in n for n in report.notes)
