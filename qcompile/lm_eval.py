@@ -17,6 +17,7 @@ tokenized and windowed as lm-eval's ``hf`` model (HFLM) does, so the figures com
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 from lm_eval.api.model import TemplateLM
@@ -26,8 +27,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from compiler.errors import ConfigError
-from compiler.model.kv_cache import ContiguousKVCache
-from serving.sampling import sample_token
+from serving.adapters._stream import token_events
+from serving.reference import ReferenceDecoder
+from serving.request import Request
 from serving.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -193,28 +195,15 @@ class QCompileLM(TemplateLM):
 
     @torch.no_grad()
     def _decode(self, ids: list[int], params: SamplingParams, stop: list[str], generator: torch.Generator) -> str:
-        """Tokens after ``ids`` (a contiguous KV cache, one token a step) until EOS, a stop string
-        or ``params.max_tokens``; returns their text."""
-        c = self.model.config
-        heads, head_dim, values = c.kv_cache_layout
-        weight = next(self.model.parameters())
-        cache = ContiguousKVCache(c.n_layers, 1, len(ids) + params.max_tokens, heads, head_dim, weight.dtype,
-                                  self._device, c.sliding_windows, keys_only=not values)
-        eos = set(c.eos_token_ids) | {self.eot_token_id}
-        inputs, positions = ids, list(range(len(ids)))
-        new, text = [], ""
-        for _ in range(params.max_tokens):
-            logits = self.model(torch.tensor([inputs], device=self._device),
-                                torch.tensor([positions], device=self._device), cache)
-            token = sample_token(logits[0, -1].float().cpu(), params, generator)
-            if token in eos:
-                break
-            new.append(token)
-            text = self.tok_decode(new)
-            if any(s and s in text for s in stop):
-                break
-            inputs, positions = [token], [positions[-1] + 1]
-        return text
+        """Tokens after ``ids`` until EOS, a stop string or ``params.max_tokens``: the reference decoder
+        through the token loop every runtime shares (``serving/reference.py``); returns their text."""
+        decoder = ReferenceDecoder(self.model, len(ids) + params.max_tokens)
+        eos = [*self.model.config.eos_token_ids, self.eot_token_id]
+        request = Request("lm-eval", ids, replace(params, stop=tuple(s for s in stop if s)), eos, self.tokenizer,
+                          generator=generator)
+        for _ in token_events(decoder, request):
+            pass
+        return request.text
 
 
 def _load(pretrained, dtype: str, allow_pickle: bool):

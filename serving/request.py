@@ -54,10 +54,12 @@ class GenerationResult:
 
 class Request:
     """Prompt and output tokens, progress (``num_computed_tokens`` have KV cached, for the engine),
-    sampler and text state. ``seed``: the params' seed, else a random one."""
+    sampler and text state. ``seed``: the params' seed, else a random one; ``generator``: one to draw
+    from instead (lm-eval's, which moves on from request to request)."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids: list[int],
-                 tokenizer, device: torch.device = torch.device("cpu"), seed: int | None = None):
+                 tokenizer, device: torch.device = torch.device("cpu"), seed: int | None = None,
+                 generator: torch.Generator | None = None):
         if seed is None:
             seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.request_id = request_id
@@ -68,7 +70,7 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = generator or torch.Generator(device=device).manual_seed(seed)
         self.metrics = RequestMetrics()
         self.output = OutputText(tokenizer, params.stop)
 
@@ -95,7 +97,7 @@ class Request:
 
     def sample(self, logits) -> int:
         """The next token from logits [V] (a tensor or a NumPy array), with this request's generator."""
-        return sample_token(torch.as_tensor(logits), self.params, self.generator)
+        return sample_token(torch.as_tensor(logits).to(self.generator.device), self.params, self.generator)
 
     def next(self, logits) -> StreamEvent:
         """Sample the next token from ``logits`` and append it: the event to stream."""
