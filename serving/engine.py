@@ -58,12 +58,12 @@ class Engine:
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, device: str | None = None, **plan_overrides) -> "Engine":
         """An engine over an in-memory model; the artifact's serving plan (if any) with ``plan_overrides`` applied."""
-        manifest = loaded.manifest.extras if loaded.manifest is not None else {}  # the entries passes declared
+        record = loaded.manifest
         try:
-            plan = ServingPlan.from_dict({**manifest.get("serving", {}), **plan_overrides})
+            plan = ServingPlan.from_dict({**((record and record.serving) or {}), **plan_overrides})
         except (TypeError, ValueError) as e:
             raise ConfigError(f"serving plan: {e}") from None
-        return cls(loaded.model, loaded.tokenizer, plan, device, manifest.get("kv_cache"))
+        return cls(loaded.model, loaded.tokenizer, plan, device, record and record.kv_cache)
 
     @classmethod
     def from_artifact(cls, path: str | Path, device: str | None = None, **plan_overrides) -> "Engine":
