@@ -4,7 +4,7 @@ and as ``qcompile eval`` gives it for the artifact must agree within 0.5%.
 
 The pipeline is examples/awq_g128_vllm.toml: examples/awq_g128.toml in float16 (vLLM's INT4
 kernels take no float32, and its CPU bfloat16 W4A16 kernel dies of an illegal instruction on this
-machine) with the vllm target. Both figures are printed; docs/BENCHMARKS.md records them. Where
+machine) with the vllm target. Both figures are printed; docs/notes/2026-12-entry-vllm-exported-checkpoint.md records them. Where
 vLLM's build on this host has no W4A16 kernel (its AVX2 build), vLLM is checked to fail on the
 export for want of that kernel only, and compressed-tensors' decompressor to give back the
 artifact's weights.
