@@ -151,26 +151,28 @@ def kept_rows(path: Path, protocol: dict) -> dict[str, dict]:
     return {r["recipe"]: r for r in doc["rows"] if r["samples"] in (None, protocol["samples"])}
 
 
-def markdown_table(rows: list[dict], corpus: str) -> str:
-    """One corpus: each recipe's bits, perplexity and its distance from float, KL statistics."""
-    base = rows[0]["by_corpus"][corpus]["ppl"]
-    rtn = {r["recipe"][4:]: r["by_corpus"][corpus]["ppl"] for r in rows if r["recipe"].startswith("rtn:")}
-    lines = ["| recipe | bits per weight | PPL | Δ vs float | share of RTN's increase removed | mean KLD | "
-             "99% KLD | same top p |", "|---|---|---|---|---|---|---|---|"]
+def markdown_table(rows: list[dict]) -> str:
+    """Each recipe's bits, and on each corpus its perplexity (Δ from float), the share of RTN's
+    increase it removes, mean KLD ± its uncertainty and the same-top-token share."""
+    corpora = list(rows[0]["by_corpus"])
+    header = "".join(f" {c} PPL (Δ) | {c} RTN's increase removed | {c} mean KLD | {c} same top p |" for c in corpora)
+    lines = [f"| recipe | bits per weight |{header}", "|---|---|" + "---|---|---|---|" * len(corpora)]
     for r in rows:
-        s = r["by_corpus"][corpus]
-        name, _, arg = r["recipe"].partition(":")
-        group = arg if name in ("rtn", "awq") else "128" if name == "mixed" else None
-        removed = ""
-        if name != "rtn" and group in rtn:
-            removed = f"{1 - (s['ppl'] - base) / (rtn[group] - base):.0%}"
         bits = "" if r["bits_per_weight"] is None else f"{r['bits_per_weight']:.2f}"
-        kld = "" if r["recipe"] == "float" else f"{s['kld_mean']:.4f} ± {s['kld_mean_uncertainty']:.4f}"
-        kld99 = "" if r["recipe"] == "float" else f"{s['kld_99']:.3f}"
-        same = "" if r["recipe"] == "float" else f"{100 * s['same_top']:.2f} %"
-        lines.append(f"| {r['recipe']} | {bits} | {s['ppl']:.3f} | {100 * (s['ppl'] / base - 1):+.2f}% | {removed} | "
-                     f"{kld} | {kld99} | {same} |")
+        lines.append(f"| {r['recipe']} | {bits} |" + "".join(_cells(rows, r, c) for c in corpora))
     return "\n".join(lines)
+
+
+def _cells(rows: list[dict], row: dict, corpus: str) -> str:
+    s, base = row["by_corpus"][corpus], rows[0]["by_corpus"][corpus]["ppl"]
+    name, _, arg = row["recipe"].partition(":")
+    group = arg if name in ("rtn", "awq") else "128" if name == "mixed" else None
+    rtn = {r["recipe"][4:]: r["by_corpus"][corpus]["ppl"] for r in rows if r["recipe"].startswith("rtn:")}
+    removed = f"{1 - (s['ppl'] - base) / (rtn[group] - base):.0%}" if name != "rtn" and group in rtn else ""
+    if row["recipe"] == "float":
+        return f" {s['ppl']:.3f} | | | |"
+    return (f" {s['ppl']:.3f} ({100 * (s['ppl'] / base - 1):+.2f}%) | {removed} | "
+            f"{s['kld_mean']:.4f} ± {s['kld_mean_uncertainty']:.4f} | {100 * s['same_top']:.2f} % |")
 
 
 def main() -> None:
@@ -205,8 +207,7 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)  # each row as soon as it exists
             if args.json:
                 write_result(args.json, rows, **protocol)
-    for corpus in corpora:
-        print(f"\n{corpus}, {args.split} split, {args.windows} windows × 512 tokens:\n{markdown_table(rows, corpus)}")
+    print(f"\n{args.model}, {args.split} split, up to {args.windows} windows × 512 tokens per corpus:\n{markdown_table(rows)}")
 
 
 if __name__ == "__main__":

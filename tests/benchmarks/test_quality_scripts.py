@@ -87,16 +87,16 @@ def test_vllm_perplexity_on_vllm(run_script, tiny_artifact, tmp_path):
 
 
 def test_kl_quality(run_script, tiny_model, tmp_path):
-    argv = ("kl_quality", "--model", tiny_model, "--samples", 1, "--windows", 1, "--corpora", "pydoc",
+    argv = ("--model", tiny_model, "--samples", 1, "--windows", 1, "--corpora", "pydoc",
             "--workdir", tmp_path / "work", "--json", tmp_path / "out.json")
-    run_script(*argv, "--recipes", "rtn:64")
+    run_script("kl_quality", *argv, "--recipes", "rtn:64")
     rows = json.loads((tmp_path / "out.json").read_text())["rows"]
     assert [r["recipe"] for r in rows] == ["float", "rtn:64"]
     float_row, rtn = (r["by_corpus"]["pydoc"] for r in rows)
     assert float_row["kld_mean"] < 1e-6 < rtn["kld_mean"] and finite(rtn["ppl"])
     assert rows[1]["bits_per_weight"] > 4
     # a resumed run keeps the rows it has and adds the new recipe's
-    run_script(*argv, "--recipes", "rtn:64,rtn:32", prepare=lambda m: setattr(m, "_child", _only("rtn:32", m._child)))
+    run_script("kl_quality", *argv, "--recipes", "rtn:64,rtn:32", prepare=lambda m: setattr(m, "_child", _only("rtn:32", m._child)))
     resumed = json.loads((tmp_path / "out.json").read_text())["rows"]
     assert resumed[:2] == rows and resumed[2]["recipe"] == "rtn:32"
 
