@@ -13,8 +13,9 @@ reloaded before it is scored. Each recipe runs in its own subprocess (its compil
 its own); the float row saves one reference file per corpus (``compiler/io/kl_reference.py``) that
 every other row is scored against. Bits per weight: the converted layers' stored bits over their
 weights (``qcompile inspect``), float layers (the embedding, lm_head) not counted.
-"Share removed" = 1 - (ppl - ppl_float) / (ppl_rtn - ppl_float), against RTN at the row's group size
-(at 128 for ``mixed``).
+"RTN's increase removed" = 1 - (ppl - ppl_float) / (ppl_rtn - ppl_float), against RTN at the row's
+group size (at 128 for ``mixed``). A run whose ``--json`` file exists keeps the rows it holds for the
+same protocol (a resumed run).
 """
 from __future__ import annotations
 
