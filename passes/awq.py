@@ -237,6 +237,7 @@ class AwqStream(BlockStream):
         self.wider: list[Candidate] = []  # q4_k_m's Q6_K, average_bits' INT8
         self.context = context
         self.reference = copy.deepcopy(model) if self.opts.sensitivity == "kl" else None  # folded float, block by block
+        self.validation: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # windows, float logits: sensitivity "kl"
         if self.opts.average_bits is not None:
             self._check_average_bits()
 
@@ -349,13 +350,19 @@ class AwqStream(BlockStream):
                 f"together): {compact_names(chosen) or 'none'}; {self.average_bits():.3f} bits per weight over the "
                 f"converted layers (all INT4: {before:.3f})")
 
+    def _float_on_validation(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The validation windows and the float model's logits on them, once for both KL measurements."""
+        if self.validation is None:
+            windows = self.context.validation_windows(self.opts.validation_windows)
+            self.validation = windows, teacher_logits(self.reference, windows)
+        return self.validation
+
     @torch.no_grad()
     def _kl_gains(self, units: dict[str, list[Candidate]]) -> dict[str, float]:
         """``sensitivity = "kl"``: for each unit, the whole quantized model's mean per-token KL from the
         float model on the validation windows, less the same with that unit alone on its wider grid —
         the end-to-end gain, where a layer's own output error misses what follows it. One forward per unit."""
-        windows = self.context.validation_windows(self.opts.validation_windows)
-        logits = teacher_logits(self.reference, windows)
+        windows, logits = self._float_on_validation()
         def kl() -> float:
             return compare_on_windows(self.reference, self.model, windows, reference=logits)["kl"]
         base, gains = kl(), {}
@@ -389,9 +396,8 @@ class AwqStream(BlockStream):
         """``sensitivity = "kl"``: each converted layer's mean per-token KL from the float model (AWQ's
         scales folded in, which leaves it the same function) with that layer alone quantized, on the
         validation windows. One forward over them per layer."""
-        windows = self.context.validation_windows(self.opts.validation_windows)
+        windows, logits = self._float_on_validation()
         reference, self.reference = self.reference, None
-        logits = teacher_logits(reference, windows)
         for row in track([r for r in self.report.layers if r.format != "float"], "awq: KL of each layer alone"):
             float_module = reference.get_submodule(row.module)
             reference.set_submodule(row.module, self.model.get_submodule(row.module))
