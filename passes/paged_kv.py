@@ -1,12 +1,13 @@
 """``paged_kv``: record the serving plan (block size, KV dtype, block count) in the artifact.
 
 It changes no weights. It plans the KV cache for the model (``plan_kv_cache``: the KV dtype, the
-model's or the FP8 cache an earlier pass declared in ``context.manifest_extras["kv_cache"]``; an
-INT8 cache is held in the model dtype; and the number of blocks the memory budget buys) and
-records the resolved plan as ``manifest["serving"]``, which ``serving.Engine.from_artifact``
-builds its cache from. ``kv_dtype = "float8_e4m3fn"`` requires the FP8 K/V scales of an fp8 pass
-with ``kv_cache_dtype = "float8_e4m3fn"`` before it: declared as ``requires``, so a pipeline
-without them is refused before any pass runs.
+model's, or the FP8 E4M3 or INT8 cache an earlier pass declared in ``context.manifest_extras["kv_cache"]``;
+and the number of blocks the memory budget buys) and records the resolved plan as
+``manifest["serving"]``, which ``serving.Engine.from_artifact`` builds its cache from.
+``kv_dtype = "float8_e4m3fn"`` requires the FP8 K/V scales of an fp8 pass with ``kv_cache_dtype =
+"float8_e4m3fn"`` before it, ``kv_dtype = "int8"`` the INT8 ones of an int8 pass with
+``kv_cache_dtype = "int8"``: declared as ``requires``, so a pipeline without them is refused
+before any pass runs.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from compiler.deploy.serving_plan import ServingPlan, plan_kv_cache
 from compiler.pipeline import Pass, PassContext, PassReport, register_pass
 from passes.fp8 import FP8_KV_CACHE
+from passes.int8 import INT8_KV_CACHE
 
 
 @register_pass
@@ -25,8 +27,10 @@ class PagedKVPass(Pass):
 
     def __init__(self, options: ServingPlan):
         super().__init__(options)
-        if options.kv_dtype == "float8_e4m3fn":  # the cache stores FP8 codes with calibrated scales
-            self.requires = frozenset({FP8_KV_CACHE})
+        # the cache stores codes with calibrated scales: an earlier pass must provide them
+        needs = {"float8_e4m3fn": FP8_KV_CACHE, "int8": INT8_KV_CACHE}.get(options.kv_dtype)
+        if needs:
+            self.requires = frozenset({needs})
 
     def scope(self, model) -> str:
         return "config"  # reads the config and dtype only: a streamed compile runs it on the model's shell

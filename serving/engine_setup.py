@@ -5,18 +5,20 @@ In order: move it to the device; fuse q/k/v and gate/up (``compiler/model/fusion
 CPU's float32 weights (``compiler/kernels/dense_cpu.py``); put INT4 layers on the plan's compute
 (``set_int4_compute``); build the paged KV cache from the KV-cache plan (``plan_kv_cache``: the
 one the paged_kv pass recorded, or the same function's for a plan given here); drop the model's
-FP8 K/V rounding hook where an FP8 cache stores the same codes; report the kernels the forward
+K/V rounding hook where a quantized cache stores the same codes; report the kernels the forward
 runs (``kernel_report``).
 
-An FP8 artifact declares (written by the fp8 pass)::
+An FP8 or INT8 artifact declares (written by the fp8 or int8 pass; ``compiler/formats/kv_quant.py``)::
 
     manifest["kv_cache"] = {"dtype": "float8_e4m3fn", "granularity": "per_tensor" | "per_head",
                             "k_scale": [per layer: float, or a list with one float per KV head],
                             "v_scale": [...]}
+    manifest["kv_cache"] = {"dtype": "int8", "granularity": "per_channel",
+                            "k_scale": [per layer: [n_kv_heads * head_dim floats]], "v_scale": [...]}
 
-and the cache stores FP8 codes with those scales. An INT8 one (the int8 pass; ``compiler/formats/kv_quant.py``)
-is held in a model-dtype cache, its K/V rounded through int8 by the model's ``kv_quant`` hook first
-(``compiler.deploy.serving_plan.resolve_kv_dtype``).
+and the cache stores FP8 E4M3 or int8 codes (1 byte a value) with those scales. Under a float
+``kv_dtype`` (or for an E5M2 entry) the cache holds floats, and the model's ``kv_quant`` hook
+rounds K/V first (``compiler.deploy.serving_plan.resolve_kv_dtype``).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compiler.deploy.serving_plan import KV_DTYPES, KVCachePlan, ServingPlan, plan_kv_cache
+from compiler.deploy.serving_plan import KV_DTYPES, SCALED_KV_DTYPES, KVCachePlan, ServingPlan, plan_kv_cache
 from compiler.errors import ArtifactError, ConfigError
 from compiler.formats.fp8 import Fp8Linear
 from compiler.formats.int4 import Int4Linear
@@ -45,7 +47,7 @@ class LoadReport:
     packing: dict  # {"packed": [linear layers], "kernel": what they run}; {} off the CPU or when not asked
     int4: dict  # ``set_int4_compute``'s report; {} for a model without INT4 layers
     kv_cache: KVCachePlan  # the cache built: dtype, blocks, block size
-    kv_rounding_dropped: bool  # the FP8 K/V rounding hook removed (an FP8 cache stores the same codes)
+    kv_rounding_dropped: bool  # the K/V rounding hook removed (an FP8 or INT8 cache stores the same codes)
     kernels: dict  # ``kernel_report``: what the forward runs, layer kind by kind
 
 
@@ -61,35 +63,35 @@ def prepare_model(model: torch.nn.Module, plan: ServingPlan, device: torch.devic
     model_dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     kv = plan_kv_cache(plan, model.config, model_dtype, kv_cache_entry)
     cache = build_kv_cache(model, kv, device, kv_cache_entry)
-    dropped = cache.k_scales is not None  # an FP8 cache with the artifact's scales
+    dropped = cache.k_scales is not None  # an FP8 or INT8 cache with the artifact's scales
     if dropped:
         drop_kv_rounding(model)
-    # Otherwise a KV-cache hook stays (an INT8 one always: no INT8 cache kernels): it rounds K/V
-    # before the model-dtype cache stores them, the values an INT8 cache would hold.
+    # Otherwise a KV-cache hook stays: it rounds K/V before the model-dtype cache stores them.
     kernels = kernel_report(model, device, packing, decode_attention(cache), cache.spec.dtype)
     return cache, LoadReport(fusion, packing, int4, kv, dropped, kernels)
 
 
 def build_kv_cache(model: torch.nn.Module, kv: KVCachePlan, device: torch.device, kv_cache: dict | None) -> PagedKVCache:
-    """The paged cache of plan ``kv``; an FP8 one with the artifact's K/V scales."""
+    """The paged cache of plan ``kv``; an FP8 or INT8 one with the artifact's K/V scales."""
     c = model.config
     dtype = KV_DTYPES[kv.kv_dtype]
     k_scales = v_scales = None
     heads, dim, values = c.kv_cache_layout
-    if dtype == torch.float8_e4m3fn:
+    if kv.kv_dtype in SCALED_KV_DTYPES:
         if not values:
-            raise ArtifactError(f"an FP8 KV cache is not supported for {c.architecture}'s latent (MLA) cache; "
-                                "serve it with kv_dtype = \"auto\"")
+            raise ArtifactError(f"a {kv.kv_dtype} KV cache is not supported for {c.architecture}'s latent (MLA) "
+                                "cache; serve it with kv_dtype = \"auto\"")
         _, k, v = parse_kv_scales(kv_cache, c)
-        k_scales, v_scales = list(k[:, :, None]), list(v[:, :, None])  # per layer [1 or Hkv, 1]: broadcasts over [Hkv, D]
+        shape = (heads, dim) if dtype == torch.int8 else (-1, 1)  # per channel, or [1 or Hkv, 1] broadcast over D
+        k_scales, v_scales = [s.reshape(shape) for s in k], [s.reshape(shape) for s in v]
     spec = KVCacheSpec(c.n_layers, kv.num_blocks, kv.block_size, heads, dim, dtype, keys_only=not values)
     return PagedKVCache(spec, device, k_scales, v_scales, c.sliding_windows)
 
 
 def drop_kv_rounding(model: torch.nn.Module) -> None:
-    """Remove the FP8 K/V rounding hook (``Fp8KVQuant``) an FP8-KV artifact installs in each
-    attention layer: a paged cache in FP8 with the same scales stores the same codes without it
-    (rounding twice with one scale is rounding once), and it costs a dozen small ops per layer and step."""
+    """Remove the K/V rounding hook (``Fp8KVQuant`` or ``Int8KVQuant``) a quantized-KV artifact installs
+    in each attention layer: a paged cache of that dtype with the same scales stores the same codes
+    without it (it quantizes as the hook does), and it costs a dozen small ops per layer and step."""
     for layer in model.layers:
         layer.self_attn.kv_quant = None
 
@@ -140,16 +142,19 @@ def kernel_report(model: torch.nn.Module, device: torch.device, packing: dict, d
     """What the engine's forward runs, as a float32 decode step (one token a sequence) and a prefill
     would: ``{"cpu": kernels' status and ISA level, "linear": float linears' kernel, "int4" / "fp8":
     {"decode": {kernel: layers}, "prefill": {...}}, "attention": decode attention's kernel}``, and
-    ``"kv_cache"`` where the model's own hook rounds K/V before a cache of another dtype stores them;
+    ``"kv_cache"`` for a cache of FP8 or int8 codes, or where the model's own hook rounds K/V before
+    a cache of another dtype stores them;
     the ISA level of every qcompile C++ kernel named beside it (``compiler/kernels/dispatch.py``)."""
     report = {"cpu": cpu_kernels_status() if device.type == "cpu" else None, "isa": cpu_isa_in_use(),
               "linear": packing.get("kernel", "F.linear (not packed)"), "attention": decode_attention}
     quant = model.layers[0].self_attn.kv_quant if len(model.layers) else None
+    cache = str(cache_dtype).removeprefix("torch.")
     if quant is not None:
-        int8 = isinstance(quant, Int8KVQuant)
-        report["kv_cache"] = (f"{'int8' if int8 else quant.dtype_name} K/V rounded by the model's kv_quant hook, "
-                              f"stored in {str(cache_dtype).removeprefix('torch.')} blocks (no memory saving"
-                              f"{': the engine has no INT8 paged cache' if int8 else ''})")
+        name = "int8" if isinstance(quant, Int8KVQuant) else quant.dtype_name
+        report["kv_cache"] = (f"{name} K/V rounded by the model's kv_quant hook, stored in {cache} blocks "
+                              "(no memory saving)")
+    elif cache in SCALED_KV_DTYPES:
+        report["kv_cache"] = f"{cache} codes with the artifact's scales, dequantized on read"
     choosers = ((Int4Linear, "int4", int4_kernel), (Fp8Linear, "fp8", fp8_kernel))
     with torch.no_grad():
         for module in model.modules():

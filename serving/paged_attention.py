@@ -4,14 +4,17 @@ Cache layout (vLLM's): per layer, K and V are ``[num_blocks, block_size, Hkv, D]
 ``s = block_id * block_size + offset`` is row ``s`` of the flattened ``[num_blocks * block_size,
 Hkv, D]`` view. A sequence's block table lists its block ids in token order.
 
-FP8 KV: K/V are stored as ``float8_e4m3fn`` values of ``x / scale`` and read back as
-``stored * scale``; ``scale`` is a tensor broadcastable to ``[Hkv, 1]`` (per-tensor or per head).
+Quantized KV: K/V are stored as codes and read back as ``codes * scale``: ``float8_e4m3fn`` codes
+of ``x / scale`` with ``scale`` broadcastable to ``[Hkv, 1]`` (per tensor or per head), or int8
+codes of ``x * (1 / scale)`` rounded half to even and clamped (``compiler/formats/kv_quant.py``'s
+``int8_codes``) with ``scale`` ``[Hkv, D]`` (per channel).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from compiler.formats.kv_quant import int8_codes
 from compiler.model.kv_cache import attention_mask
 from compiler.quant.fp8 import to_float32
 
@@ -19,9 +22,12 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
-    """x: [T, Hkv, D] in compute dtype -> storage dtype (scaled and clamped for FP8)."""
+    """x: [T, Hkv, D] in compute dtype -> storage dtype (scaled and clamped for FP8; for int8 the
+    codes of the model's ``Int8KVQuant``, bit for bit)."""
     if scale is None:
         return x.to(dtype)
+    if dtype == torch.int8:
+        return int8_codes(x, 1 / scale)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
@@ -29,7 +35,7 @@ def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | Non
     """Stored [..., Hkv, D] -> compute dtype."""
     if scale is None:
         return x.to(dtype)
-    return (to_float32(x) * scale).to(dtype)
+    return ((x.float() if x.dtype == torch.int8 else to_float32(x)) * scale).to(dtype)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,9 +5,9 @@ sequence, its next tokens (one for a decode, a chunk for a prefill) with their a
 positions. Before the forward it hands the cache the batch's ``BatchMetadata``; each layer's
 ``attend`` then writes the new K/V through the slot mapping and attends every sequence over its
 own blocks: decodes together (the Triton kernel on CUDA, the C++ kernel of
-``compiler/kernels/cpu_ext.py`` on the CPU, the torch reference where neither is had), prefill
-chunks one sequence at a time. All K/V are written before any are read, so a sequence may read
-blocks another sequence fills in the same step.
+``compiler/kernels/cpu_ext.py`` on the CPU, the torch reference where neither is had or for an
+int8 cache on CUDA), prefill chunks one sequence at a time. All K/V are written before any are
+read, so a sequence may read blocks another sequence fills in the same step.
 """
 from __future__ import annotations
 
@@ -75,6 +75,10 @@ DECODE_KERNELS = ("triton", "cpu", "torch")  # PagedKVCache's decode attention: 
 class PagedKVCache:
     """Per layer ``[num_blocks, block_size, Hkv, D]`` K and V tensors, read and written through metadata.
 
+    They hold ``spec.dtype``: the model's dtype, or codes with per-layer scales, 1 byte a value:
+    FP8 E4M3 with ``k_scales`` / ``v_scales`` ``[Hkv, 1]`` or ``[1, 1]``, or int8 with ``[Hkv, D]``
+    (per channel). ``attend`` quantizes what it writes (``quantize_kv``) and every read dequantizes.
+
     ``sliding_window``: one window for every layer, or one per layer (None: full attention). A
     windowed layer still keeps every block; it only reads the last ``window`` positions."""
 
@@ -87,18 +91,22 @@ class PagedKVCache:
         self.k = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
         self.v = [] if spec.keys_only else [torch.zeros(shape, dtype=spec.dtype, device=self.device)
                                             for _ in range(spec.num_layers)]
-        self.k_scales = [s.to(self.device) for s in k_scales] if k_scales else None  # per layer, [Hkv, 1] or [1, 1]
+        self.k_scales = [s.to(self.device) for s in k_scales] if k_scales else None  # per layer, as above
         self.v_scales = [s.to(self.device) for s in v_scales] if v_scales else None
-        if spec.dtype == torch.float8_e4m3fn and not (self.k_scales and self.v_scales):
-            raise ValueError("an FP8 KV cache needs per-layer k_scales and v_scales")
+        if spec.dtype in (torch.float8_e4m3fn, torch.int8) and not (self.k_scales and self.v_scales):
+            raise ValueError(f"a {str(spec.dtype).removeprefix('torch.')} KV cache needs per-layer k_scales and "
+                             "v_scales")
         self.sliding_windows = layer_windows(sliding_window, spec.num_layers)
         # "triton" (CUDA), "cpu" (the C++ kernel) or "torch" (the reference); decode_kernel_note says why
         if decode_kernel not in (None, *DECODE_KERNELS):
             raise ValueError(f"decode_kernel {decode_kernel!r}: one of {', '.join(DECODE_KERNELS)}")
+        if decode_kernel == "triton" and spec.dtype == torch.int8:
+            raise ValueError("the Triton decode kernel reads no int8 cache (per-channel scales); use \"torch\"")
         self.decode_kernel, self.decode_kernel_note = decode_kernel or self._default_decode_kernel(), ""
         if self.decode_kernel == "torch" and decode_kernel is None:
-            self.decode_kernel_note = ("no Triton on this CUDA device" if self.device.type == "cuda"
-                                       else f"C++ CPU kernels {cpu_kernels_status()}")
+            self.decode_kernel_note = (f"C++ CPU kernels {cpu_kernels_status()}" if self.device.type != "cuda"
+                                       else "the Triton kernel reads no int8 cache" if spec.dtype == torch.int8
+                                       else "no Triton on this CUDA device")
         self.meta: BatchMetadata | None = None
         # The torch decode path's per-step state, the same for every layer: masks per window, and the
         # buffers K and V are gathered into (reused by every layer and step rather than allocated per call).
@@ -107,7 +115,7 @@ class PagedKVCache:
         self._workspace_numel = 0
 
     def _default_decode_kernel(self) -> str:
-        if self.device.type == "cuda" and triton_available():
+        if self.device.type == "cuda" and triton_available() and self.spec.dtype != torch.int8:
             return "triton"
         if self.device.type == "cpu" and cpu_kernels() is not None:
             return "cpu"

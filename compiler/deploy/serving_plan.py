@@ -19,15 +19,18 @@ import torch
 from compiler.errors import ConfigError
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-             "float8_e4m3fn": torch.float8_e4m3fn}
+             "float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8}
+# The cache dtypes that store codes with calibrated scales, and the pass that calibrates them.
+SCALED_KV_DTYPES = {"float8_e4m3fn": "fp8", "int8": "int8"}
 
 INT4_COMPUTES = ("auto", "w4a16", "w4a8")
 
 
 @dataclass(frozen=True)
 class ServingPlan:
-    """Paged-KV and batching settings. ``kv_dtype="auto"``: the model's dtype, or the FP8 cache
-    the artifact declares (``manifest["kv_cache"]``; an INT8 one is held in the model dtype: ``resolve_kv_dtype``). ``num_blocks``, when set, wins over ``kv_memory_mb``.
+    """Paged-KV and batching settings. ``kv_dtype="auto"``: the model's dtype, or the FP8 E4M3 or
+    INT8 cache the artifact declares (``manifest["kv_cache"]``: ``resolve_kv_dtype``).
+    ``num_blocks``, when set, wins over ``kv_memory_mb``.
     ``fuse_projections``: the engine runs q/k/v and gate/up as one matmul each (``compiler/model/fusion.py``).
     ``pack_cpu_weights``: on the CPU, float32 linear layers also keep a packed copy of their weight
     for qcompile's dense kernel or oneDNN (``compiler/kernels/dense_cpu.py``: 4 bytes a weight more).
@@ -39,7 +42,7 @@ class ServingPlan:
     (``compiler/kernels/dispatch.resolve_int4_compute``; the engine reports what it chose)."""
 
     block_size: int = 16
-    kv_dtype: Literal["auto", "float32", "bfloat16", "float16", "float8_e4m3fn"] = "auto"
+    kv_dtype: Literal["auto", "float32", "bfloat16", "float16", "float8_e4m3fn", "int8"] = "auto"
     num_blocks: int | None = None
     kv_memory_mb: float = 256.0
     max_num_batched_tokens: int = 512
@@ -82,18 +85,19 @@ class ServingPlan:
 
 def resolve_kv_dtype(kv_dtype: str, model_dtype: str, kv_cache: dict | None) -> str:
     """The ``KV_DTYPES`` name the paged cache stores K/V in, for a plan's ``kv_dtype`` and the artifact's
-    ``kv_cache`` entry. "auto": the entry's dtype where the paged cache holds it (FP8 E4M3, with the
-    entry's scales), else the model dtype; there an INT8 (or E5M2) entry's K/V are rounded by the
-    model's own ``kv_quant`` hook before the cache stores them: the same values, without the memory
-    saving (the engine has no INT8 cache kernels). An FP8 cache needs the entry's FP8 E4M3 scales."""
+    ``kv_cache`` entry. "auto": the entry's dtype where the paged cache holds it (FP8 E4M3 or INT8,
+    codes with the entry's scales), else the model dtype; there an E5M2 entry's K/V (or any entry's,
+    under a float ``kv_dtype``) are rounded by the model's own ``kv_quant`` hook before the cache
+    stores them: the same values, without the memory saving. An FP8 or INT8 cache needs the entry's
+    scales for its dtype."""
     declared = (kv_cache or {}).get("dtype")
     name = kv_dtype if kv_dtype != "auto" else declared if declared in KV_DTYPES else model_dtype
     if name not in KV_DTYPES:
         raise ConfigError(f"KV-cache dtype {name!r} is not supported; use one of {', '.join(KV_DTYPES)}")
-    if name.startswith("float8") and declared != name:
+    if name in SCALED_KV_DTYPES and declared != name:
         has = f"'s KV cache is {declared}" if declared else " has no KV-cache scales"
-        raise ConfigError(f"kv_dtype {name} needs K/V scales calibrated for it (the fp8 pass's kv_cache_dtype = "
-                          f"\"{name}\"), and the artifact{has}; use kv_dtype = \"auto\"")
+        raise ConfigError(f"kv_dtype {name} needs K/V scales calibrated for it (the {SCALED_KV_DTYPES[name]} pass's "
+                          f"kv_cache_dtype = \"{name}\"), and the artifact{has}; use kv_dtype = \"auto\"")
     return name
 
 

@@ -14,8 +14,10 @@ codes = clamp(round(K * (1 / scale)), -128, 127), K/V ≈ codes * scale, per cha
 K is taken after the rotary embedding (what a cache holds). So that evaluation and the reference
 paths measure the same model, a loaded artifact installs ``Fp8KVQuant`` or ``Int8KVQuant`` as
 ``Attention.kv_quant``: it rounds K and V before they reach any cache or the cache-less attention.
-Rounding twice with one scale changes nothing, so a cache that quantizes again (the engine's FP8
-paged cache) stores the same codes, and one that stores the rounded values holds the same K/V.
+The engine's paged cache stores the codes themselves (FP8 E4M3 per KV head, or INT8 per channel
+through ``int8_codes``, 1 byte a value) and dequantizes them on read, the same K/V the hook gives,
+so the engine drops the hook (``serving/engine_setup.py``). A cache of another dtype keeps it and
+stores the rounded values: the same K/V, without the memory saving.
 """
 from __future__ import annotations
 
@@ -49,13 +51,17 @@ class Fp8KVQuant(nn.Module):
         return dequantize(quantize(k, ks, dtype), ks, k.dtype), dequantize(quantize(v, vs, dtype), vs, v.dtype)
 
 
+def int8_codes(x: torch.Tensor, reciprocal: torch.Tensor) -> torch.Tensor:
+    """vllm-ascend's ``_quantize_kv_to_int8``: x * (1 / scale) in float32, offset 0, rounded half to
+    even, clamped to [-128, 127]; ``reciprocal`` broadcasts over x (per channel)."""
+    return torch.round(x.float() * reciprocal).clamp(INT8_MIN, INT8_MAX).to(torch.int8)
+
+
 def int8_round_trip(x: torch.Tensor, scale: torch.Tensor, reciprocal: torch.Tensor) -> torch.Tensor:
     """x [B, Hkv, T, D] through int8 codes with per-channel ``scale`` [Hkv * D] (``reciprocal`` = 1 / scale):
-    vllm-ascend's ``_quantize_kv_to_int8`` (x * (1 / scale), offset 0, round half to even, clamp) and
-    ``_dequant_paged_kv_to_dense`` (codes * scale), in float32."""
+    ``int8_codes``, then vllm-ascend's ``_dequant_paged_kv_to_dense`` (codes * scale), in float32."""
     shape = (1, x.shape[1], 1, x.shape[3])
-    codes = torch.round(x.float() * reciprocal.reshape(shape)).clamp(INT8_MIN, INT8_MAX).to(torch.int8)
-    return (codes.float() * scale.reshape(shape)).to(x.dtype)
+    return (int8_codes(x, reciprocal.reshape(shape)).float() * scale.reshape(shape)).to(x.dtype)
 
 
 class Int8KVQuant(nn.Module):

@@ -11,8 +11,9 @@ inside (``csrc/isa.h``). ``ops.isa()`` names the level a library was built for.
 
 - ``paged_decode(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, window, sm_scale)``:
   the paged cache's decode attention, reading each cached row in place (float32, bfloat16,
-  float16 or FP8 E4M3 with its scales); ``serving/paged_attention.py``'s reference gathers every
-  sequence's blocks into a buffer first. Same contract, checked against it in tests.
+  float16, FP8 E4M3 with its per-head scales, int8 with its per-channel ones: dequantized as it
+  reads); ``serving/paged_attention.py``'s reference gathers every sequence's blocks into a buffer
+  first. Same contract, checked against it in tests.
 - ``fp8_fake_quant_rows(x, shift, static_scale, dtype)``: ``Fp8Linear``'s activation
   quantization in one op instead of about ten, bit for bit the torch ops of ``compiler/quant/fp8.py``;
   ``fp8_linear(x, shift, static_scale, dtype, weight, bias, packed)``: that, times the dequantized
@@ -173,7 +174,8 @@ def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                      sliding_window: int | None = None) -> torch.Tensor:
     """``paged_decode_reference``'s contract (q [S, Hq, D] -> [S, Hq, D], scales broadcastable to
-    [Hkv, 1]) through the C++ kernel, which computes in float32 whatever q's and the cache's dtypes."""
+    [Hkv, 1], or [Hkv, D] for an int8 cache) through the C++ kernel, which computes in float32
+    whatever q's and the cache's dtypes."""
     ops = cpu_kernels()
     if ops is None:
         raise RuntimeError(f"the C++ paged-decode kernel is not available: {cpu_kernels_status()}")

@@ -293,16 +293,19 @@ def test_triton_repository_serves_the_fp8_kv_cache_and_plan(fp8_kv_artifacts, tm
 
 @torch.no_grad()
 def test_triton_repository_serves_the_int8_kv_cache(int8_kv_artifact, tmp_path):
-    """The served engine keeps the artifact's INT8 K/V rounding before its float32 cache: the model's own tokens."""
+    """The served engine stores the artifact's INT8 K/V codes (the model's rounding hook dropped: its
+    cache quantizes as the hook does): the tokens of the model as loaded, hook and all."""
     from serving.engine import Engine
 
     model_dir = lower_triton(int8_kv_artifact, tmp_path / "repo")
     served = Engine.from_artifact(model_dir / "1" / "artifact", "cpu")  # what serving/triton_backend.py builds
-    assert served.cache.spec.dtype == torch.float32 and served.cache.spec.block_size == 8
-    assert isinstance(served.model.layers[0].self_attn.kv_quant, Int8KVQuant)
+    assert served.cache.spec.dtype == torch.int8 and served.cache.spec.block_size == 8
+    assert served.model.layers[0].self_attn.kv_quant is None
+    model = load_artifact(int8_kv_artifact).model
+    assert isinstance(model.layers[0].self_attn.kv_quant, Int8KVQuant)
     ids = [5, 9, 14, 33, 2]
     got = served.generate(prompt_token_ids=ids, max_tokens=6, ignore_eos=True).token_ids
-    assert got == load_artifact(int8_kv_artifact).model.generate(torch.tensor([ids]), 6)[0, len(ids):].tolist()
+    assert got == model.generate(torch.tensor([ids]), 6)[0, len(ids):].tolist()
 
 
 # -- entries a lowering does not know, and serving plans it cannot honour -----------------------

@@ -9,8 +9,8 @@ import pytest
 from artifact_helpers import rewrite_manifest
 
 import passes  # noqa: F401  (registers paged_kv and fp8)
-from compiler.deploy.serving_plan import KVCachePlan
-from compiler.errors import PipelineValidationError
+from compiler.deploy.serving_plan import KVCachePlan, ServingPlan, plan_kv_cache
+from compiler.errors import ConfigError, PipelineValidationError
 from compiler.io.load import load_checkpoint
 from compiler.model.config import ModelConfig
 from compiler.pipeline import PASSES, Pipeline, PipelineConfig
@@ -62,3 +62,35 @@ def test_an_fp8_cache_after_the_fp8_scales_validates():
     pipeline = Pipeline(PipelineConfig.from_dict({"passes": [
         {"name": "fp8", "kv_cache_dtype": "float8_e4m3fn"}, {"name": "paged_kv", "kv_dtype": "float8_e4m3fn"}]}))
     pipeline.validate(CONFIG)  # no error: the fp8 pass provides the scales paged_kv requires
+
+
+@pytest.mark.parametrize("before", [[], [{"name": "int8"}], [{"name": "fp8", "kv_cache_dtype": "float8_e4m3fn"}]])
+def test_an_int8_cache_without_int8_scales_before_it_is_refused_before_any_pass_runs(before, monkeypatch):
+    ran = []
+    for cls in PASSES.values():
+        monkeypatch.setattr(cls, "run", lambda self, *a, **k: ran.append(self.name))
+    pipeline = Pipeline(PipelineConfig.from_dict({"passes": [*before, {"name": "paged_kv", "kv_dtype": "int8"}]}))
+    with pytest.raises(PipelineValidationError, match=r"\(paged_kv\): requires int8_kv_cache, which no earlier pass "
+                                                      r"provides; run int8 before it") as e:
+        pipeline.validate(CONFIG)
+    assert "\n" not in str(e.value) and ran == []
+    Pipeline(PipelineConfig.from_dict({"passes": [{"name": "int8", "kv_cache_dtype": "int8"},
+                                                  {"name": "paged_kv", "kv_dtype": "int8"}]})).validate(CONFIG)
+
+
+def test_an_int8_entry_plans_an_int8_cache_of_one_byte_a_value():
+    """The int8 pass's entry: "auto" stores int8 codes, a quarter of float32's bytes a block, so the
+    same budget buys four times the tokens; an int8 cache without int8 scales is refused in one line."""
+    scales = [[0.01] * (CONFIG.n_kv_heads * CONFIG.head_dim)] * CONFIG.n_layers
+    entry = {"dtype": "int8", "granularity": "per_channel", "k_scale": scales, "v_scale": scales}
+    plan = ServingPlan(kv_memory_mb=1)
+    int8, fp32 = plan_kv_cache(plan, CONFIG, "float32", entry), plan_kv_cache(plan, CONFIG, "float32", None)
+    assert int8.kv_dtype == "int8" and fp32.kv_dtype == "float32"
+    values_per_block = 2 * CONFIG.n_layers * 16 * CONFIG.n_kv_heads * CONFIG.head_dim  # K and V, 16 tokens
+    assert int8.bytes_per_block == values_per_block and fp32.bytes_per_block == 4 * values_per_block
+    assert int8.max_tokens == 4 * fp32.max_tokens
+    assert plan_kv_cache(ServingPlan(kv_dtype="float32"), CONFIG, "float32", entry).kv_dtype == "float32"
+    with pytest.raises(ConfigError, match=r"kv_dtype int8 needs K/V scales calibrated for it \(the int8 pass's "
+                                          r"kv_cache_dtype = \"int8\"\), and the artifact has no KV-cache scales") as e:
+        plan_kv_cache(ServingPlan(kv_dtype="int8"), CONFIG, "float32", None)
+    assert "\n" not in str(e.value)

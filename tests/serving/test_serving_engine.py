@@ -275,8 +275,8 @@ def test_artifact_plan_and_fp8_kv_cache(tiny_checkpoint, tmp_path):
 
 @torch.no_grad()
 def test_int8_kv_artifact_serves_the_models_own_tokens(tiny_checkpoint_with_tokenizer, tmp_path):
-    """An INT8-KV artifact: the engine keeps the model's K/V rounding hook and stores the rounded K/V
-    in a float32 cache (it has no INT8 cache kernels; the values an INT8 cache would hold), so its
+    """An INT8-KV artifact compiled by the int8 pass: the paged_kv pass plans an int8 cache, the engine
+    stores int8 codes and drops the model's K/V rounding hook (the cache quantizes as it does), so its
     greedy tokens under continuous batching are the loaded model's own, and its report says so."""
     import passes  # noqa: F401  (registers the int8 and paged_kv passes)
     from compiler.errors import ConfigError, QCompileError
@@ -292,14 +292,19 @@ def test_int8_kv_artifact_serves_the_models_own_tokens(tiny_checkpoint_with_toke
     art = compile_model(path, PipelineConfig.from_dict({"calibration": calib, "passes": [
         int8, {"name": "paged_kv", "block_size": 8}]}), tmp_path / "art").path
     model = load_artifact(art).model
+    assert isinstance(model.layers[0].self_attn.kv_quant, Int8KVQuant)
     prompts = prompts_of([7, 19, 3, 26], seed=9)
     want = [reference(model, p, 12) for p in prompts]
     engine = Engine.from_artifact(art, "cpu")
-    assert engine.cache.spec.dtype == torch.float32 and engine.cache.k_scales is None
-    assert isinstance(engine.model.layers[0].self_attn.kv_quant, Int8KVQuant)
-    assert ("KV cache int8 K/V rounded by the model's kv_quant hook, stored in float32 blocks (no memory saving: "
-            "the engine has no INT8 paged cache)") in describe_kernels(engine.load_report.kernels)
+    assert engine.plan.kv_dtype == "int8" and engine.cache.spec.dtype == torch.int8
+    assert engine.cache.k_scales[0].shape == (model.config.n_kv_heads, model.config.head_dim)
+    assert engine.model.layers[0].self_attn.kv_quant is None
+    assert "KV cache int8 codes with the artifact's scales, dequantized on read" in describe_kernels(
+        engine.load_report.kernels)
     assert run_staggered(engine, prompts) == want
+    float_cache = Engine.from_artifact(art, "cpu", kv_dtype="float32")  # keeps the hook: no memory saving
+    assert ("KV cache int8 K/V rounded by the model's kv_quant hook, stored in float32 blocks (no memory saving)"
+            in describe_kernels(float_cache.load_report.kernels))
     for layer in model.layers:  # the rounding changes these tokens: the parity above is the INT8 cache's
         layer.self_attn.kv_quant = None
     assert [reference(model, p, 12) for p in prompts] != want

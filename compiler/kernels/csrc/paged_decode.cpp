@@ -1,9 +1,10 @@
 // paged_decode: one query token per sequence over its paged K/V, read in place (float32, bfloat16,
-// float16 or FP8 E4M3 with per-KV-head scales), with grouped-query heads and a sliding window.
-// The contract of serving/paged_attention.py's paged_decode_reference, which gathers every
-// sequence's blocks into a buffer (and dequantizes an FP8 cache there) before torch's SDPA; this
-// kernel reads each cached row once, where it lies, and needs no copy. The levels differ in their
-// exp (AVX-512: the polynomial below; AVX2: torch's Sleef exp) and the order of their float32 sums.
+// float16, FP8 E4M3 with per-KV-head scales or int8 with per-channel scales), with grouped-query
+// heads and a sliding window. The contract of serving/paged_attention.py's paged_decode_reference,
+// which gathers every sequence's blocks into a buffer (and dequantizes a quantized cache there)
+// before torch's SDPA; this kernel reads each cached row once, where it lies, and needs no copy.
+// The levels differ in their exp (AVX-512: the polynomial below; AVX2: torch's Sleef exp) and the
+// order of their float32 sums.
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
@@ -26,26 +27,52 @@ struct E4m3Table {
 };
 const E4m3Table kE4m3;
 
-// A cached row of D values in float32 times its scale; a float32 row with no scale is read where it lies.
+// An int8 cache has a scale per channel (D per KV head), the others one per KV head.
 template <typename T>
-inline const float* load_row(const T* src, float scale, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+constexpr bool kPerChannel = std::is_same_v<T, int8_t>;
+
+// A cached row of D values in float32 times its scale (`*scale`, or scale[i] per channel for int8);
+// a float32 row with no scale is read where it lies.
+template <typename T>
+inline const float* load_row(const T* src, const float* scale, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * *scale;
   return dst;
 }
 
-inline const float* load_row(const float* src, float scale, float* dst, int64_t n) {
-  if (scale == 1.f) return src;
-  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * scale;
+inline const float* load_row(const float* src, const float* scale, float* dst, int64_t n) {
+  if (*scale == 1.f) return src;
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * *scale;
   return dst;
 }
 
-inline const float* load_row(const c10::Float8_e4m3fn* src, float scale, float* dst, int64_t n) {
+inline const float* load_row(const c10::Float8_e4m3fn* src, const float* scale, float* dst, int64_t n) {
   const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
   int64_t i = 0;
-  const Vec16 scales = Vec16::broadcast(scale * kFp8FromHalf<true>);  // exact: a power of two
+  const Vec16 scales = Vec16::broadcast(*scale * kFp8FromHalf<true>);  // exact: a power of two
   for (; i + 16 <= n; i += 16)
     (half_to_float(fp8_as_half<true>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i)))) * scales).store(dst + i);
-  for (; i < n; ++i) dst[i] = kE4m3.value[bits[i]] * scale;
+  for (; i < n; ++i) dst[i] = kE4m3.value[bits[i]] * *scale;
+  return dst;
+}
+
+// 16 int8 codes as float32 (exact).
+inline Vec16 int8_to_float(__m128i codes) {
+#if QC_AVX512
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes))};
+#else
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(codes, 8)))};
+#endif
+}
+
+// Each code times its channel's scale: one float32 product, torch's codes.float() * scale bit for bit.
+inline const float* load_row(const int8_t* src, const float* scales, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const Vec16 codes = int8_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    (codes * Vec16::load(scales + i)).store(dst + i);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scales[i];
   return dst;
 }
 
@@ -121,13 +148,14 @@ struct SeqCache {
   }
 };
 
-// `count` rows of one KV head (`stride` apart in the cache) as float32 times the scale: in place
-// for an unscaled float32 cache, else converted into `buffer` (rows D apart). Returns the rows and their stride.
+// `count` rows of one KV head (`stride` apart in the cache) as float32 times the head's scale
+// (load_row's): in place for an unscaled float32 cache, else converted into `buffer` (rows D apart).
+// Returns the rows and their stride.
 template <typename T>
-inline std::pair<const float*, int64_t> head_rows(const T* rows, int64_t count, int64_t stride, float scale,
+inline std::pair<const float*, int64_t> head_rows(const T* rows, int64_t count, int64_t stride, const float* scale,
                                                   int64_t D, std::vector<float>& buffer) {
   if constexpr (std::is_same_v<T, float>) {
-    if (scale == 1.f) return {rows, stride};
+    if (*scale == 1.f) return {rows, stride};
   }
   buffer.resize(count * D);
   for (int64_t t = 0; t < count; ++t) load_row(rows + t * stride, scale, buffer.data() + t * D, D);
@@ -245,16 +273,16 @@ struct AnyG {
 };
 
 // One sequence: every query head (head h reads KV head h / G) over its keys; one K and one V
-// scale per KV head. Kernels: Blocked<G> or AnyG.
+// scale per KV head (D of them, one per channel, for int8). Kernels: Blocked<G> or AnyG.
 template <typename Kernels, typename T>
 void decode_sequence(const float* q, const SeqCache<T>& seq, const float* k_scales, const float* v_scales,
                      float sm_scale, int64_t Hkv, int64_t G, int64_t D, float* out,
                      std::vector<float>& scores, std::vector<float>& buffer) {
-  const int64_t n = seq.n, Hq = Hkv * G, stride = seq.token_stride;
+  const int64_t n = seq.n, Hq = Hkv * G, stride = seq.token_stride, scales_per_head = kPerChannel<T> ? D : 1;
   scores.resize(Hq * n);
   seq.each_run(seq.k, [&](int64_t t0, int64_t count, const T* rows) {
     for (int64_t h = 0; h < Hkv; ++h) {
-      auto [k, k_stride] = head_rows(rows + h * D, count, stride, k_scales[h], D, buffer);
+      auto [k, k_stride] = head_rows(rows + h * D, count, stride, k_scales + h * scales_per_head, D, buffer);
       Kernels::scores(q + h * G * D, k, k_stride, count, G, D, sm_scale, scores.data() + h * G * n, n, t0);
     }
   });
@@ -268,7 +296,7 @@ void decode_sequence(const float* q, const SeqCache<T>& seq, const float* k_scal
   std::fill(out, out + Hq * D, 0.f);
   seq.each_run(seq.v, [&](int64_t t0, int64_t count, const T* rows) {
     for (int64_t h = 0; h < Hkv; ++h) {
-      auto [v, v_stride] = head_rows(rows + h * D, count, stride, v_scales[h], D, buffer);
+      auto [v, v_stride] = head_rows(rows + h * D, count, stride, v_scales + h * scales_per_head, D, buffer);
       Kernels::values(scores.data() + h * G * n, n, t0, v, v_stride, count, G, D, out + h * G * D);
     }
   });
@@ -302,8 +330,9 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), G = Hq / Hkv, M = tables.size(1);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  // per-tensor scales are expanded to one per KV head, so the loops index them alike
-  at::Tensor ks = k_scale.expand({Hkv}).contiguous(), vs = v_scale.expand({Hkv}).contiguous();
+  // per-tensor scales are expanded to one per KV head, so the loops index them alike (int8's are per channel)
+  at::Tensor ks = kPerChannel<T> ? k_scale : k_scale.expand({Hkv}).contiguous();
+  at::Tensor vs = kPerChannel<T> ? v_scale : v_scale.expand({Hkv}).contiguous();
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, buffer;
     for (int64_t s = begin; s < end; ++s) {
@@ -330,9 +359,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) && seq_lens.scalar_type() == at::kLong
               && seq_lens.is_contiguous(), "seq_lens must be contiguous int64 [S]");
   const int64_t Hkv = k_cache.size(2);
+  const bool per_channel = k_cache.scalar_type() == at::kChar;
   for (const at::Tensor* s : {&k_scale, &v_scale})
-    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && (s->numel() == 1 || s->numel() == Hkv),
-                "K/V scales must be contiguous float32 with 1 or Hkv values");
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous()
+                && (per_channel ? s->numel() == Hkv * k_cache.size(3) : s->numel() == 1 || s->numel() == Hkv),
+                "K/V scales must be contiguous float32 with 1 or Hkv values (Hkv * D for an int8 cache)");
   const int64_t capacity = block_tables.size(1) * k_cache.size(1);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -348,6 +379,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     case at::kBFloat16: decode_all<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, window, sm_scale, out); break;
     case at::kHalf: decode_all<at::Half>(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, window, sm_scale, out); break;
     case at::kFloat8_e4m3fn: decode_all<c10::Float8_e4m3fn>(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, window, sm_scale, out); break;
+    case at::kChar: decode_all<int8_t>(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, window, sm_scale, out); break;
     default: TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", k_cache.scalar_type());
   }
   return out;
