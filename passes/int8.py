@@ -83,6 +83,9 @@ from passes.distill.evaluate import compare_on_windows, teacher_logits
 from passes.gptq import gptq_round
 
 CALIBRATION_BATCH = 4
+# What this pass provides with kv_cache_dtype = "int8": K/V scales for an INT8 paged cache
+# (paged_kv's kv_dtype = "int8" requires it).
+INT8_KV_CACHE = "int8_kv_cache"
 STATIC_CLIPS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1)  # shrink factors of a static range
 NORMS = ("layernorm", "_norm")  # a group whose prev is named so is one SmoothQuant smooths by default
 PER_GROUP = "per group"  # the label of the strengths searched per group
@@ -146,7 +149,12 @@ class Int8Pass(Pass):
 
     name = "int8"
     Options = Int8Options
-    provides = frozenset({"int8_weights"})
+    provides = frozenset({"int8_weights", INT8_KV_CACHE})
+
+    def __init__(self, options: Int8Options):
+        super().__init__(options)
+        if options.kv_cache_dtype != INT8:  # no scales an INT8 paged cache can store codes with
+            self.provides = type(self).provides - {INT8_KV_CACHE}
 
     def _select(self, model: nn.Module) -> tuple[list[str], dict[str, str]]:
         return select_linears(model, self.options.modules_to_not_convert)
@@ -236,24 +244,25 @@ class Int8Pass(Pass):
         chosen = []
         for i, group in track(groups, "int8: smoothing strength per group"):
             block, stats = model.layers[i], ranges[f"layers.{i}.{group.linears[0]}"]
-            errors = {a: self._group_error(block, group, model.config, stats, a) for a in self.options.alphas}
+            references = float_outputs(block, group, stats.rows)  # once per group, not once per α
+            errors = {a: self._group_error(block, group, model.config, stats, references, a) for a in self.options.alphas}
             chosen.append(min(errors, key=errors.get))
         return chosen
 
     def _group_error(self, block: nn.Module, group: ScalingGroup, config: ModelConfig, stats: InputStatistics,
-                     alpha: float) -> float:
-        """Mean per-token relative output error of ``group``'s Linears smoothed by ``alpha`` and quantized."""
+                     references: list[torch.Tensor], alpha: float) -> float:
+        """Mean per-token relative output error of ``group``'s Linears smoothed by ``alpha`` and quantized,
+        against their float outputs ``references`` on the group's sampled rows."""
         _, cols = smoothing_scales(block, group, config, stats, alpha)
         x = stats.rows.float()
         errors = []
         with torch.inference_mode():
-            for name in group.linears:
-                linear = block.get_submodule(name)
-                smoothed = _scaled_copy(linear, cols)
+            for name, reference in zip(group.linears, references, strict=True):
+                smoothed = _scaled_copy(block.get_submodule(name), cols)
                 fmt = self.options.format_for(smoothed)
                 qparams = static_qparams(stats, fmt.activation_symmetric, columns=cols) if fmt.static else None
                 y = Int8Linear.from_linear(smoothed, fmt, None, qparams)(x / cols)
-                errors.append(token_relative_error(y, F.linear(x, linear.weight.float(), _float(linear.bias))))
+                errors.append(token_relative_error(y, reference))
         return sum(errors) / len(errors)
 
     def _score_strengths(self, model: Transformer, context: PassContext, groups, ranges, candidates,
@@ -374,6 +383,13 @@ def smooth(model: Transformer, groups: list[tuple[int, ScalingGroup]], ranges: d
         fold_scales(block, group, s, cols)
         columns |= {f"layers.{i}.{n}": cols for n in group.linears}
     return columns
+
+
+@torch.inference_mode()
+def float_outputs(block: nn.Module, group: ScalingGroup, rows: torch.Tensor) -> list[torch.Tensor]:
+    """Each of ``group``'s Linears' float32 output on ``rows``."""
+    x = rows.float()
+    return [F.linear(x, block.get_submodule(n).weight.float(), _float(block.get_submodule(n).bias)) for n in group.linears]
 
 
 def static_qparams(stats: InputStatistics, symmetric: bool, clip: float = 1.0,

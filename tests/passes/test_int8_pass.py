@@ -16,7 +16,7 @@ from compiler.pipeline import PassContext, PipelineConfig
 from compiler.pipeline.calibration import InputRequest
 from compiler.pipeline.compile import compile_loaded
 from compiler.pipeline.selection import meta_model
-from passes.int8 import Int8Options, Int8Pass, smooth, static_qparams
+from passes.int8 import Int8Options, Int8Pass, float_outputs, smooth, static_qparams
 
 CALIB = {"corpus": "pydoc", "samples": 4, "seq_len": 64, "seed": 0}
 
@@ -107,8 +107,12 @@ def test_the_per_group_strengths_have_the_least_layer_error(tiny, scheme):
     searched = op._search_per_group(model, groups, ranges)
 
     def total(alphas):
-        return sum(op._group_error(model.layers[i], g, model.config, ranges[f"layers.{i}.{g.linears[0]}"], a)
-                   for (i, g), a in zip(groups, alphas))
+        errors = []
+        for (i, g), a in zip(groups, alphas):
+            stats = ranges[f"layers.{i}.{g.linears[0]}"]
+            references = float_outputs(model.layers[i], g, stats.rows)
+            errors.append(op._group_error(model.layers[i], g, model.config, stats, references, a))
+        return sum(errors)
 
     singles = {a: total([a] * len(groups)) for a in (0.2, 0.5, 0.8)}
     print(searched, total(searched), singles)
