@@ -7,12 +7,15 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
 from compiler.errors import CheckpointError
 from compiler.model.transformer import Transformer
+
+if TYPE_CHECKING:  # artifact.py imports this module
+    from compiler.io.artifact import ArtifactRecord
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,9 +38,7 @@ class LoadedModel:
     model: Transformer
     tokenizer: Any  # a transformers tokenizer, or None when the checkpoint ships none
     source: SourceInfo
-    # Set when loaded from a compiled artifact: its manifest, a compiler.io.artifact.ArtifactRecord (named,
-    # not imported: artifact.py imports this module).
-    manifest: "ArtifactRecord | None" = None
+    manifest: ArtifactRecord | None = None  # set when loaded from a compiled artifact
     extras: dict = field(default_factory=dict)
 
 
