@@ -1,7 +1,7 @@
 """qcompile (engine, ONNX Runtime) against vLLM CPU, llama.cpp and onnxruntime-genai on SmolLM2, in one run.
 
     python benchmarks/engine_vs_peers.py --float out/float --int4 out/awq-g128 [--int4-head out/awq-g128-head] [--w4a16] --fp8 out/fp8 \
-        [--int8 out/int8-w8a8] \
+        [--int8 out/int8-w8a8] [--int8-asymmetric out/int8-w8a8-asym] [--int8-c8 out/int8-w8a8-c8] \
         [--vllm --vllm-int4 out/awq-g128-fp16 --vllm-fp8 out/fp8-vllm] [--onnx [--onnx-standard]] [--llama-cpp [--gguf-q4-0 out/awq-gguf-q4_0]] \
         [--genai-path /tmp/ortgenai --genai-model /tmp/genai-int4] [--threads 2] [--output-len 128] \
         [--json out/engine_vs_peers.json] [--plot out/engine_vs_peers.png]
@@ -256,6 +256,13 @@ def run_genai(args) -> dict:
     return {"ms_per_token_c1": mean_after_warmup(out["ms_per_token"]), "tok_s_c16": out["tok_s_batch"], "isa": MLAS_ISA}
 
 
+def int8_rows(args) -> list[tuple[str, Path]]:
+    """The INT8 artifacts the engine runs, with their row labels (vLLM takes no INT8 KV cache: not the C8 one)."""
+    rows = (("INT8 W8A8", args.int8), ("INT8 W8A8, asymmetric", args.int8_asymmetric),
+            ("INT8 W8A8 + INT8 KV cache", args.int8_c8))
+    return [(label, artifact) for label, artifact in rows if artifact]
+
+
 def runtimes(args) -> list[tuple[str, callable]]:
     """(label, measure) in run order: qcompile float first, the reference of every ratio."""
     out = [("qcompile float32", lambda: run_engine(args.float, args))]
@@ -267,11 +274,12 @@ def runtimes(args) -> list[tuple[str, callable]]:
             out.append((f"qcompile {label}, {compute.upper()}", lambda artifact=artifact, plan=plan: run_engine(artifact, args, plan)))
     if args.fp8:
         out.append(("qcompile FP8", lambda: run_engine(args.fp8, args)))
-    if args.int8:
-        out.append(("qcompile INT8 W8A8", lambda: run_engine(args.int8, args)))
+    for label, artifact in int8_rows(args):
+        out.append((f"qcompile {label}", lambda artifact=artifact: run_engine(artifact, args)))
     if args.vllm:
         variants = [("float", "vLLM CPU float32", args.float), ("int4", "vLLM CPU W4A16", args.vllm_int4 or args.int4),
-                    ("fp8", "vLLM CPU FP8 W8A8", args.vllm_fp8 or args.fp8), ("int8", "vLLM CPU INT8 W8A8", args.int8)]
+                    ("fp8", "vLLM CPU FP8 W8A8", args.vllm_fp8 or args.fp8), ("int8", "vLLM CPU INT8 W8A8", args.int8),
+                    ("int8", "vLLM CPU INT8 W8A8, asymmetric", args.int8_asymmetric)]
         for key, label, artifact in variants:
             if artifact:
                 eager = key in args.vllm_eager
@@ -375,7 +383,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--float", type=Path, required=True, help="the float artifact (qcompile compile -c examples/float.toml)")
     p.add_argument("--int4", type=Path, help="an INT4 artifact (examples/awq_g128.toml)")
@@ -385,6 +393,10 @@ def main(argv=None) -> dict:
                         "beside W4A8 (the CPU default)")
     p.add_argument("--fp8", type=Path, help="an FP8 artifact (examples/fp8.toml)")
     p.add_argument("--int8", type=Path, help="an INT8 W8A8 artifact (examples/int8_w8a8.toml)")
+    p.add_argument("--int8-asymmetric", type=Path,
+                   help="an INT8 W8A8 artifact with asymmetric activations (examples/int8_w8a8_asymmetric.toml)")
+    p.add_argument("--int8-c8", type=Path, help="an INT8 W8A8 artifact with an INT8 KV cache (examples/int8_w8a8_c8.toml): "
+                                                "the engine only")
     p.add_argument("--vllm", action="store_true", help="also vLLM CPU on the float, INT4, FP8 and INT8 artifacts, lowered for it")
     # vLLM runs INT4 in float16 only and has no FP8 input shift: artifacts compiled for it
     p.add_argument("--vllm-int4", type=Path, help="the INT4 artifact vLLM serves (examples/awq_g128_vllm.toml)")
@@ -410,6 +422,11 @@ def main(argv=None) -> dict:
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/engine_vs_peers"))
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
+    return p
+
+
+def main(argv=None) -> dict:
+    p = parser()
     args = p.parse_args(argv)
     if bool(args.genai_path) != bool(args.genai_model):
         p.error("--genai-path and --genai-model go together")

@@ -20,6 +20,13 @@ def peers():
     return module
 
 
+def test_the_int8_artifacts_each_get_an_engine_row_and_vllm_serves_those_it_can(peers):
+    args = peers.parser().parse_args(["--float", "F", "--int8", "S", "--int8-asymmetric", "A", "--int8-c8", "C", "--vllm"])
+    assert [label for label, _ in peers.runtimes(args)] == [
+        "qcompile float32", "qcompile INT8 W8A8", "qcompile INT8 W8A8, asymmetric", "qcompile INT8 W8A8 + INT8 KV cache",
+        "vLLM CPU float32", "vLLM CPU INT8 W8A8", "vLLM CPU INT8 W8A8, asymmetric"]  # vLLM takes no INT8 KV cache
+
+
 def test_a_runtime_past_its_time_becomes_an_error(peers):
     def hangs():
         time.sleep(5)
