@@ -65,8 +65,8 @@ OUTPUTS = [
     ("finish_reason", "TYPE_STRING", [-1]),
 ]
 # The manifest entries passes declared (ArtifactRecord.extras) the served engine reads and runs as
-# declared: the KV cache (FP8: its paged cache stores FP8 with these scales; INT8: the model's
-# rounding before a model-dtype cache) and the serving plan.
+# declared: the KV cache (its paged cache stores FP8 E4M3 or int8 codes with these scales) and the
+# serving plan.
 LOWERED_ENTRIES = frozenset({"kv_cache", "serving"})
 # Kernels the engine runs per weight format on CUDA hosts (recorded, and checked at load).
 CUDA_KERNELS = {"int4": "w4a16_int4_gemm", "fp8": "fp8_gemm"}
