@@ -25,3 +25,17 @@ def scatter_sequences(lens, n_blocks, bs, hkv, d, seed=0):
         tables.append(ids + [0] * (width - len(ids)))
         dense.append((k, v))
     return k_cache, v_cache, torch.tensor(tables), dense
+
+
+@torch.no_grad()
+def int8_kv_entry(model: torch.nn.Module) -> dict:
+    """The int8 pass's KV-cache entry, calibrated on ``model``'s K/V over random ids."""
+    from compiler.formats.kv_quant import INT8, KVObserver, kv_cache_entry
+
+    observers = [KVObserver() for _ in model.layers]
+    for layer, observer in zip(model.layers, observers):
+        layer.self_attn.kv_quant = observer
+    model(torch.randint(3, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5)))
+    for layer in model.layers:
+        layer.self_attn.kv_quant = None
+    return kv_cache_entry(INT8, "per_channel", observers)

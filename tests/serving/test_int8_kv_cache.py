@@ -12,10 +12,10 @@ import torch
 from artifact_helpers import rewrite_manifest
 from conftest import kernel_levels, kernels_at
 from numerics import relative_error
-from paged_helpers import KERNEL_BOUNDS, scatter_sequences
+from paged_helpers import KERNEL_BOUNDS, int8_kv_entry, scatter_sequences
 from test_serving_engine import _compile, prompts_of, reference, run_staggered
 
-from compiler.formats.kv_quant import INT8, Int8KVQuant, KVObserver, kv_cache_entry
+from compiler.formats.kv_quant import Int8KVQuant
 from compiler.kernels.cpu_ext import paged_decode_cpu, use_isa
 from serving.engine import Engine
 from serving.paged_attention import dequantize_kv, paged_decode_reference, quantize_kv
@@ -88,17 +88,6 @@ def test_cpu_decode_refuses_per_head_scales_for_an_int8_cache(cpu_ops):
         paged_decode_cpu(torch.randn(1, 2, 16), k8, v8, tables, torch.tensor([5]), torch.ones(2, 1), torch.ones(2, 1))
 
 
-@torch.no_grad()
-def int8_entry(model: torch.nn.Module) -> dict:
-    """The int8 pass's KV-cache entry, calibrated on ``model``'s K/V over random ids."""
-    observers = [KVObserver() for _ in model.layers]
-    for layer, observer in zip(model.layers, observers):
-        layer.self_attn.kv_quant = observer
-    model(torch.randint(3, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5)))
-    for layer in model.layers:
-        layer.self_attn.kv_quant = None
-    return kv_cache_entry(INT8, "per_channel", observers)
-
 
 @pytest.mark.parametrize("kernel", ["torch", "cpu"])
 @torch.no_grad()
@@ -110,7 +99,7 @@ def test_engine_serves_an_int8_cache_with_the_hooks_tokens(tiny_checkpoint, tmp_
     path, _ = tiny_checkpoint()
     art = _compile(path, tmp_path / "art", [{"name": "paged_kv", "block_size": 4, "kv_memory_mb": 0.25}])
     manifest = json.loads((art / "manifest.json").read_text())
-    manifest["kv_cache"] = int8_entry(Engine.from_artifact(art, "cpu").model)
+    manifest["kv_cache"] = int8_kv_entry(Engine.from_artifact(art, "cpu").model)
     manifest["serving"].update(kv_dtype="auto", num_blocks=None)
     rewrite_manifest(art, manifest)
     with use_isa(None) if kernel == "torch" else kernels_at(kernel_levels()[-1]):

@@ -44,6 +44,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_hf_model
+from paged_helpers import int8_kv_entry
 
 from backends.ascend.atc import AtcNotFound, AtcOptions, build_script
 from backends.ascend.lower import lower_ascend
@@ -60,7 +61,7 @@ from compiler.errors import ConfigError
 from compiler.formats.fp8 import Fp8Format, Fp8Linear
 from compiler.formats.int4 import Int4Linear
 from compiler.formats.int8 import Int8Format, Int8Linear
-from compiler.formats.kv_quant import INT8, Int8KVQuant, KVObserver, kv_cache_entry
+from compiler.formats.kv_quant import Int8KVQuant
 from compiler.formats.qlinear import linear_modules, quantized_modules
 from compiler.io.artifact import load_artifact, save_artifact
 from compiler.io.load import load_checkpoint
@@ -177,17 +178,6 @@ def int8_artifact(tmp_path: Path, arch: str = "llama", dtype: str = "bfloat16", 
     out = tmp_path / f"artifact-{arch}-{dtype}"
     return save_artifact(out, loaded.model, tokenizer, SourceInfo(str(hf_dir), "hf", "0" * 64), {}, [], extras)
 
-
-@torch.no_grad()
-def int8_kv_entry(model: torch.nn.Module) -> dict:
-    """The int8 pass's KV-cache entry, calibrated on ``model``'s K/V over random ids."""
-    observers = [KVObserver() for _ in model.layers]
-    for layer, observer in zip(model.layers, observers):
-        layer.self_attn.kv_quant = observer
-    model(torch.randint(3, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5)))
-    for layer in model.layers:
-        layer.self_attn.kv_quant = None
-    return kv_cache_entry(INT8, "per_channel", observers)
 
 
 def lower(artifact: Path, out: Path, monkeypatch) -> tuple[dict, dict, dict]:
