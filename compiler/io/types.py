@@ -7,15 +7,12 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import torch
 
 from compiler.errors import CheckpointError
 from compiler.model.transformer import Transformer
-
-if TYPE_CHECKING:  # artifact.py imports this module
-    from compiler.io.artifact import ArtifactRecord
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,7 +35,9 @@ class LoadedModel:
     model: Transformer
     tokenizer: Any  # a transformers tokenizer, or None when the checkpoint ships none
     source: SourceInfo
-    manifest: ArtifactRecord | None = None  # set when loaded from a compiled artifact
+    # Set when loaded from a compiled artifact: its manifest, a compiler.io.artifact.ArtifactRecord (named,
+    # not imported: artifact.py imports this module).
+    manifest: "ArtifactRecord | None" = None  # noqa: F821
     extras: dict = field(default_factory=dict)
 
 
