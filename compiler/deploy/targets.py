@@ -99,9 +99,14 @@ def get_target(name: str) -> Target:
 def check_formats(target: str, formats: dict[str, dict], where: str = "") -> None:
     """Raise ConfigError listing every module the target cannot run."""
     spec = get_target(target)
-    problems = [f"{module}: {why}" for module, fmt in formats.items() if (why := spec.check(module, fmt))]
-    if problems:
-        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+    by_reason: dict[str, list[str]] = {}  # one reason, said once, for every module it stops
+    for module, fmt in formats.items():
+        if why := spec.check(module, fmt):
+            by_reason.setdefault(why, []).append(module)
+    if by_reason:
+        problems = [f"{modules[0]}{f' (and {len(modules) - 1} more layers)' if len(modules) > 1 else ''}: {why}"
+                    for why, modules in by_reason.items()]
+        more = f" (+{len(problems) - 3} more reasons)" if len(problems) > 3 else ""
         prefix = f"{where}: " if where else ""
         raise ConfigError(f"{prefix}target {target!r} cannot run {'; '.join(problems[:3])}{more}")
 

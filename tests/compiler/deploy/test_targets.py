@@ -41,6 +41,14 @@ def test_one_registration_gives_the_checks_and_the_lowering(registry, tmp_path):
     assert result == LowerResult(tmp_path / "out", ["art lowered with the knob at 7"], {"as float": 3})
 
 
+def test_a_refusal_says_each_reason_once_with_how_many_layers_it_stops(registry):
+    register_target(Target("knob", "a test double", no_int4, lower_knob, KnobOptions))
+    formats = {f"layers.{i}.mlp.up_proj": {"format": "int4", "group_size": 32} for i in range(30)}
+    with pytest.raises(ConfigError) as e:
+        check_formats("knob", formats | {"layers.0.mlp.down_proj": {"format": "int8"}})
+    assert str(e.value) == "target 'knob' cannot run layers.0.mlp.up_proj (and 29 more layers): int4 is not run here"
+
+
 def test_unknown_targets_and_options_are_one_line_errors(registry, tmp_path):
     register_target(Target("knob", "a test double", no_int4, lower_knob, KnobOptions))
     with pytest.raises(ConfigError, match="unknown target 'knb'; did you mean 'knob'"):
