@@ -45,37 +45,31 @@ CONFIG = ModelConfig("LlamaForCausalLM", vocab_size=128, dim=64, n_layers=2, n_h
                      intermediate_size=96)
 
 
-@pytest.mark.parametrize("before", [[], [{"name": "fp8", "kv_cache_dtype": "none"}],
-                                    [{"name": "fp8", "convert_linears": False, "kv_cache_dtype": "float8_e5m2"}]])
-def test_an_fp8_cache_without_fp8_scales_before_it_is_refused_before_any_pass_runs(before, monkeypatch):
+# (paged_kv's kv_dtype, the pass whose scales it needs, passes before it that provide none)
+WITHOUT_SCALES = [("float8_e4m3fn", "fp8", []), ("float8_e4m3fn", "fp8", [{"name": "fp8", "kv_cache_dtype": "none"}]),
+                  ("float8_e4m3fn", "fp8", [{"name": "fp8", "convert_linears": False, "kv_cache_dtype": "float8_e5m2"}]),
+                  ("int8", "int8", []), ("int8", "int8", [{"name": "int8"}]),
+                  ("int8", "int8", [{"name": "fp8", "kv_cache_dtype": "float8_e4m3fn"}])]
+
+
+@pytest.mark.parametrize("kv_dtype,provider,before", WITHOUT_SCALES)
+def test_a_quantized_cache_without_its_scales_before_it_is_refused_before_any_pass_runs(kv_dtype, provider, before,
+                                                                                         monkeypatch):
     ran = []
     for cls in PASSES.values():
         monkeypatch.setattr(cls, "run", lambda self, *a, **k: ran.append(self.name))
-    pipeline = Pipeline(PipelineConfig.from_dict({"passes": [*before, {"name": "paged_kv", "kv_dtype": "float8_e4m3fn"}]}))
-    with pytest.raises(PipelineValidationError, match=r"\(paged_kv\): requires fp8_kv_cache, which no earlier pass "
-                                                      r"provides; run fp8 before it") as e:
+    pipeline = Pipeline(PipelineConfig.from_dict({"passes": [*before, {"name": "paged_kv", "kv_dtype": kv_dtype}]}))
+    with pytest.raises(PipelineValidationError, match=rf"\(paged_kv\): requires {provider}_kv_cache, which no earlier "
+                                                      rf"pass provides; run {provider} before it") as e:
         pipeline.validate(CONFIG)
     assert "\n" not in str(e.value) and ran == []
 
 
-def test_an_fp8_cache_after_the_fp8_scales_validates():
+@pytest.mark.parametrize("kv_dtype,provider", [("float8_e4m3fn", "fp8"), ("int8", "int8")])
+def test_a_quantized_cache_after_its_scales_validates(kv_dtype, provider):
     pipeline = Pipeline(PipelineConfig.from_dict({"passes": [
-        {"name": "fp8", "kv_cache_dtype": "float8_e4m3fn"}, {"name": "paged_kv", "kv_dtype": "float8_e4m3fn"}]}))
-    pipeline.validate(CONFIG)  # no error: the fp8 pass provides the scales paged_kv requires
-
-
-@pytest.mark.parametrize("before", [[], [{"name": "int8"}], [{"name": "fp8", "kv_cache_dtype": "float8_e4m3fn"}]])
-def test_an_int8_cache_without_int8_scales_before_it_is_refused_before_any_pass_runs(before, monkeypatch):
-    ran = []
-    for cls in PASSES.values():
-        monkeypatch.setattr(cls, "run", lambda self, *a, **k: ran.append(self.name))
-    pipeline = Pipeline(PipelineConfig.from_dict({"passes": [*before, {"name": "paged_kv", "kv_dtype": "int8"}]}))
-    with pytest.raises(PipelineValidationError, match=r"\(paged_kv\): requires int8_kv_cache, which no earlier pass "
-                                                      r"provides; run int8 before it") as e:
-        pipeline.validate(CONFIG)
-    assert "\n" not in str(e.value) and ran == []
-    Pipeline(PipelineConfig.from_dict({"passes": [{"name": "int8", "kv_cache_dtype": "int8"},
-                                                  {"name": "paged_kv", "kv_dtype": "int8"}]})).validate(CONFIG)
+        {"name": provider, "kv_cache_dtype": kv_dtype}, {"name": "paged_kv", "kv_dtype": kv_dtype}]}))
+    pipeline.validate(CONFIG)  # no error: the pass provides the scales paged_kv requires
 
 
 def test_an_int8_entry_plans_an_int8_cache_of_one_byte_a_value():
