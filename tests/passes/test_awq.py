@@ -174,7 +174,7 @@ def test_pipeline_validation_uses_resolved_group_sizes():
                            lower=None))  # validation only
     try:
         # g128 resolves to 64 on the 576-wide layers: the target must reject it before any work.
-        with pytest.raises(PipelineValidationError, match="test-no-g64.*q_proj: group size 64 unsupported"):
+        with pytest.raises(PipelineValidationError, match=r"test-no-g64.*q_proj \(and \d+ more layers\): group size 64 unsupported"):
             Pipeline(pipeline_config(group_size=128, target="test-no-g64")).validate(SMOLLM2_LIKE)
         formats = Pipeline(pipeline_config(group_size=128, group_size_policy="pad", target="test-no-g64")).validate(SMOLLM2_LIKE).formats
         assert {f["group_size"] for f in formats.values()} == {128}
