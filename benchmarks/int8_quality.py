@@ -8,6 +8,8 @@ top-1 agreement (``fp8_quality.held_out_sets``, ``passes/distill/evaluate.compar
 With ``--vllm`` each W8A8 artifact is also lowered with ``--target vllm`` and served by vLLM CPU,
 whose prompt log-probabilities give its perplexity on pydoc's evaluation windows
 (``backends/vllm/evaluate.server_perplexity``), beside ``qcompile eval``'s on the same windows.
+``--json`` is written after each variant; a run whose ``--json`` file exists keeps the variants it
+finished under the same protocol (model, dtype, split, samples, windows, corpora): a resumed run.
 
     python benchmarks/int8_quality.py --split validation --only w8a8-dynamic w8a8-dynamic-smooth-norms   # choose
     python benchmarks/int8_quality.py --corpora pydoc,stdlib-docs --vllm --json docs/data/int8_quality_smollm2.json
@@ -32,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import backends  # noqa: E402,F401  (registers the vllm target)
 import passes  # noqa: E402,F401  (registers the int8 pass)
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import read_result, result, write_result  # noqa: E402
 from benchmarks.fp8_quality import held_out_sets  # noqa: E402
 from calib import SPLITS, evaluation_windows  # noqa: E402
 from compiler.io.artifact import load_artifact  # noqa: E402
@@ -73,8 +75,8 @@ def vllm_perplexity(artifact: Path, out: Path, windows: torch.Tensor) -> dict:
     opts = VllmOptions(checkpoint, port=free_port(), served_name="model", max_model_len=1024,
                        extra_args=["--enforce-eager"])
     with VllmServer(opts, log_path=out / f"{artifact.name}-vllm.log") as server:
-        result = server_perplexity(server.url, server.model, windows)
-        return {**result, "vllm_build": vllm_host(server.python).build}
+        scores = server_perplexity(server.url, server.model, windows)
+        return {**scores, "vllm_build": vllm_host(server.python).build}
 
 
 def main(argv=None) -> dict:
@@ -91,19 +93,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     console = Console(width=200)
-    source = load_checkpoint(args.model, dtype=args.dtype)
+    protocol = {"model": args.model, "dtype": args.dtype, "split": args.split, "samples": args.samples,
+                "windows": args.windows, "corpora": args.corpora.split(",")}
     labels = ["float"] + [v for v in (args.only or VARIANTS) if v != "float"]
-    sets = held_out_sets(source, args.corpora.split(","), args.split, args.windows)
-    rows, served = [], []
+    rows, served = kept_rows(args.json, protocol, args.vllm) if args.json and args.json.exists() else ([], [])
+    done = {r["variant"] for r in rows}
+    source = load_checkpoint(args.model, dtype=args.dtype)
+    sets = held_out_sets(source, protocol["corpora"], args.split, args.windows)
     with tempfile.TemporaryDirectory() as tmp:
         for label in labels:
+            if label in done:
+                console.print(f"{label}: kept from {args.json}")
+                continue
             start = time.perf_counter()
             variant = copy.copy(source)
             variant.model = copy.deepcopy(source.model)
-            result = compile_loaded(variant, variant_config(VARIANTS[label], args.samples, args.dtype), Path(tmp) / label)
+            compiled = compile_loaded(variant, variant_config(VARIANTS[label], args.samples, args.dtype), Path(tmp) / label)
             compile_s = time.perf_counter() - start
-            model = load_artifact(result.path).model
-            metrics = result.reports[0].metrics if result.reports else {}
+            model = load_artifact(compiled.path).model
+            metrics = compiled.reports[0].metrics if compiled.reports else {}
             for corpus, (windows, reference) in sets.items():
                 scores = compare_on_windows(source.model, model, windows, reference=reference,
                                             batch_size=4 if reference is not None else 1)
@@ -114,18 +122,37 @@ def main(argv=None) -> dict:
                 console.print(f"{label} on {corpus}: ppl {scores['ppl_student']:.4f}, KL {scores['kl']:.5f}, "
                               f"top-1 {scores['top1_agreement']:.4f}")
             del model
-            if args.vllm and VARIANTS[label] is not None and VARIANTS[label].get("activation_scheme") != "none":
+            if args.vllm and served_by_vllm(label):
                 region = corpus_split(source.tokenizer, "pydoc").region(args.split)
                 windows = evaluation_windows(region, args.windows, 512)
                 ours = next(r["ppl"] for r in rows if r["variant"] == label and r["corpus"] == "pydoc")
-                theirs = vllm_perplexity(result.path, Path(tmp), windows)
+                theirs = vllm_perplexity(compiled.path, Path(tmp), windows)
                 served.append({"variant": label, "qcompile_eval_ppl": ours, "vllm_ppl": theirs["ppl"],
                                "ratio": theirs["ppl"] / ours, "tokens": theirs["tokens"], "vllm_build": theirs["vllm_build"]})
                 console.print(f"{label}: vLLM {theirs['ppl']:.4f} against qcompile eval {ours:.4f} "
                               f"({100 * (theirs['ppl'] / ours - 1):+.2f}%, vLLM build {theirs['vllm_build']})")
+            if args.json:  # after each variant, so that a stopped run keeps what it measured
+                write_result(args.json, rows, **protocol, vllm=served)
     console.print(results_table(rows, args))
-    return write_result(args.json, rows, model=args.model, dtype=args.dtype, split=args.split, samples=args.samples,
-                        vllm=served)
+    return result(rows, **protocol, vllm=served)
+
+
+def kept_rows(path: Path, protocol: dict, with_vllm: bool) -> tuple[list[dict], list[dict]]:
+    """The rows (and vLLM rows) of an earlier run of the same protocol, for each variant it finished:
+    with ``with_vllm``, a served variant counts as finished once its vLLM row is there too."""
+    doc = read_result(path)
+    if any(doc.get(k) != v for k, v in protocol.items()):
+        return [], []
+    served = {r["variant"] for r in doc.get("vllm", [])}
+    finished = {r["variant"] for r in doc["rows"]
+                if not (with_vllm and served_by_vllm(r["variant"])) or r["variant"] in served}
+    return [r for r in doc["rows"] if r["variant"] in finished], [r for r in doc.get("vllm", []) if r["variant"] in finished]
+
+
+def served_by_vllm(label: str) -> bool:
+    """Whether ``--vllm`` serves this variant's export (every W8A8 one)."""
+    options = VARIANTS[label]
+    return options is not None and options.get("activation_scheme") != "none"
 
 
 def results_table(rows: list[dict], args) -> Table:

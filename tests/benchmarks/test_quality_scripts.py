@@ -32,12 +32,26 @@ def test_fp8_quality(run_script, tiny_model):
     assert doc["rows"][1]["fp8_layers"] > 0
 
 
-def test_int8_quality(run_script, tiny_model):
-    doc = run_script("int8_quality", "--model", tiny_model, "--windows", 1, "--samples", 1, "--only", "w8a8-dynamic",
-                     "--corpora", "pydoc,stdlib-docs")
+def test_int8_quality(run_script, tiny_model, tmp_path):
+    argv = ("--model", tiny_model, "--windows", 1, "--samples", 1, "--corpora", "pydoc,stdlib-docs",
+            "--json", tmp_path / "out.json")
+    doc = run_script("int8_quality", *argv, "--only", "w8a8-dynamic")
     assert [(r["variant"], r["corpus"]) for r in doc["rows"]] == [
         ("float", "pydoc"), ("float", "stdlib-docs"), ("w8a8-dynamic", "pydoc"), ("w8a8-dynamic", "stdlib-docs")]
     assert all(finite(r["ppl"], r["kl"]) for r in doc["rows"]) and doc["vllm"] == []
+    # a resumed run keeps the variants its file holds and compiles only the new one
+    compiled = []
+    resumed = run_script("int8_quality", *argv, "--only", "w8a8-dynamic", "w8a16",
+                         prepare=lambda m: setattr(m, "compile_loaded", _recording(compiled, m.compile_loaded)))
+    assert len(compiled) == 1 and resumed["rows"][:4] == doc["rows"]
+    assert [r["variant"] for r in json.loads((tmp_path / "out.json").read_text())["rows"][4:]] == ["w8a16", "w8a16"]
+
+
+def _recording(calls: list, compile_loaded):
+    def run(loaded, config, out):
+        calls.append(out.name)
+        return compile_loaded(loaded, config, out)
+    return run
 
 
 def test_int4_compute_quality(run_script, tiny_model, tiny_int4_artifact):
