@@ -40,6 +40,9 @@ class ArchSpec:
     # The router of an MoE layer, relative to the layer: every quantizing pass keeps it in float
     # (a rounded router changes which experts a token reaches, not just by how much).
     router: str | None = None
+    # Why the decoder cannot run in float16, where it cannot: a compile in float16 is refused (as vLLM
+    # refuses to serve such a model in float16).
+    float16_unsafe: str | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -52,7 +55,9 @@ ARCHITECTURES = {spec.name: spec for spec in (
     ArchSpec("Qwen2ForCausalLM", "qwen2"),
     ArchSpec("Qwen3ForCausalLM", "qwen3", qk_norm=True),
     ArchSpec("Gemma3ForCausalLM", "gemma3_text", qk_norm=True, norm_weight_offset=1.0, sandwich_norms=True,
-             scale_embeddings=True, activation="gelu_tanh"),
+             scale_embeddings=True, activation="gelu_tanh",
+             float16_unsafe="its activations pass float16's largest value, 65504 (Gemma 3 270M's turn to NaN from "
+                            "layer 8)"),
     ArchSpec("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, ffn="qwen_moe", router="mlp.gate"),
     ArchSpec("MixtralForCausalLM", "mixtral", ffn="mixtral", router="block_sparse_moe.gate"),
     ArchSpec("DeepseekV3ForCausalLM", "deepseek_v3", attention="mla", ffn="deepseek_moe", router="mlp.gate"),

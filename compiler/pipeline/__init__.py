@@ -321,6 +321,9 @@ class Pipeline:
     def validate(self, model_config: ModelConfig) -> CompilePlan:
         """Check order, claims, per-pass constraints and the target against a model of ``model_config``;
         return the compile's plan (a compile validates once and hands the plan down)."""
+        if self.config.model.dtype == "float16" and (why := model_config.spec.float16_unsafe):
+            raise PipelineValidationError(f"model.dtype float16: {model_config.architecture} cannot run in float16, "
+                                          f"{why}; set dtype = \"bfloat16\" or \"float32\"")
         meta = meta_model(model_config)
         properties = set(INITIAL_PROPERTIES)
         claimed: dict[str, str] = {}

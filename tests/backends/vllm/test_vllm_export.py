@@ -403,7 +403,6 @@ def test_quantized_dense_mlp_of_qwen3_moe_is_refused(tmp_path):
 INT4_SYMMETRIC = {"model": {"dtype": "float16"}, "passes": [{"name": "awq", "group_size": 64, "zero_point": False}]}
 ARCH_REFUSED = {
     "deepseek": ("deepseek-v3", {}, {"passes": []}, "DeepseekV3ForCausalLM: vLLM 0.32's CPU build runs MLA only at"),
-    "gemma3-float16": ("gemma3", {}, {"model": {"dtype": "float16"}, "passes": []}, "vLLM refuses Gemma 3 in float16"),
     "gemma3-float32-int4": ("gemma3", {}, {"passes": [{"name": "awq", "group_size": 32}]},
                             "INT4 layers are written in float16): vLLM refuses Gemma 3 in float16"),
     "qwen3-moe-dense-layer": ("qwen3-moe", {"moe_intermediate_size": 64, "mlp_only_layers": [1]}, INT4_SYMMETRIC,

@@ -149,3 +149,15 @@ def test_a_mixed_calibration_corpus_draws_half_its_windows_from_each(byte_tokeni
 
     assert windows.shape == (6, 32)
     assert all(inside(w, pools[0]) for w in windows[:3]) and all(inside(w, pools[1]) for w in windows[3:])
+
+
+def test_a_model_that_overflows_float16_is_refused_in_float16_before_any_work():
+    gemma = ModelConfig("Gemma3ForCausalLM", vocab_size=32, dim=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                        intermediate_size=32)
+    pipeline = Pipeline(PipelineConfig.from_dict({"model": {"dtype": "float16"}, "passes": [{"name": "test_claim_a"}]}))
+    with pytest.raises(PipelineValidationError, match=r"model.dtype float16: Gemma3ForCausalLM cannot run in float16, "
+                                                      r"its activations pass float16's largest value.*set dtype = \"bfloat16\""):
+        pipeline.validate(gemma)
+    for dtype in ("bfloat16", "float32"):
+        Pipeline(PipelineConfig.from_dict({"model": {"dtype": dtype}, "passes": [{"name": "test_claim_a"}]})).validate(gemma)
+    Pipeline(PipelineConfig.from_dict({"model": {"dtype": "float16"}, "passes": [{"name": "test_claim_a"}]})).validate(CONFIG)
