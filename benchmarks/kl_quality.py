@@ -2,14 +2,15 @@ r"""KL divergence from float by recipe: llama.cpp's statistics (``qcompile eval 
 compressed model against its float source, on the same windows of each corpus.
 
     python benchmarks/kl_quality.py                                  # SmolLM2: RTN, AWQ g128/g64, FP8, mixed 4.5 bits
-    python benchmarks/kl_quality.py --model gemma3-270m --samples 32
+    python benchmarks/kl_quality.py --model gemma3-270m --samples 32 --recipes rtn:128,rtn:64,awq:128,awq:64,fp8,mixed:4.5:bfloat16
     python benchmarks/kl_quality.py --recipes rtn:128,awq:128,examples/awq_g128_w4a8.toml --corpora pydoc
 
 Recipes: ``rtn:G`` (round to nearest, the AWQ pass's layers and group-size fallback, no search: not
 written), ``awq:G`` (``examples/awq_g128.toml`` at group size G), ``fp8`` (``examples/fp8.toml``),
-``mixed:B`` (``examples/awq_mixed_4p5.toml`` at ``average_bits = B``, float16 as the example), or a
-pipeline TOML. Every pipeline runs at ``--samples`` calibration windows and is compiled, written and
-reloaded before it is scored. Each recipe runs in its own subprocess (its compile time and peak RSS
+``mixed:B`` (``examples/awq_mixed_4p5.toml`` at ``average_bits = B``, float16 as the example;
+``mixed:B:bfloat16`` in bfloat16, for Gemma 3, which float16 overflows), or a pipeline TOML. Every
+pipeline runs at ``--samples`` calibration windows and is compiled, written and reloaded before it
+is scored. Each recipe runs in its own subprocess (its compile time and peak RSS
 its own); the float row saves one reference file per corpus (``compiler/io/kl_reference.py``) that
 every other row is scored against. Bits per weight: the converted layers' stored bits over their
 weights (``qcompile inspect``), float layers (the embedding, lm_head) not counted.
@@ -41,12 +42,14 @@ DEFAULT_RECIPES = "rtn:128,rtn:64,awq:128,awq:64,fp8,mixed:4.5"
 
 def pipeline_for(recipe: str, samples: int) -> dict:
     """The pipeline table a recipe names, with ``samples`` calibration windows."""
-    name, _, arg = recipe.partition(":")
+    name, arg, dtype = (recipe.split(":") + ["", ""])[:3]
     path = ROOT / NAMED_RECIPES[name] if name in NAMED_RECIPES else Path(recipe)
     if not path.is_file():
-        raise SystemExit(f"unknown recipe {recipe!r}: give rtn:G, awq:G, fp8, mixed:BITS or a pipeline .toml file")
+        raise SystemExit(f"unknown recipe {recipe!r}: give rtn:G, awq:G, fp8, mixed:BITS[:DTYPE] or a pipeline .toml file")
     table = tomllib.loads(path.read_text())
     table["calibration"]["samples"] = samples
+    if dtype:
+        table["model"]["dtype"] = dtype
     if name == "awq" and arg:
         table["passes"][0]["group_size"] = int(arg)
     if name == "mixed" and arg:
@@ -167,7 +170,7 @@ def markdown_table(rows: list[dict]) -> str:
 def _cells(rows: list[dict], row: dict, corpus: str) -> str:
     s, base = row["by_corpus"][corpus], rows[0]["by_corpus"][corpus]["ppl"]
     name, _, arg = row["recipe"].partition(":")
-    group = arg if name in ("rtn", "awq") else "128" if name == "mixed" else None
+    group = arg.split(":")[0] if name in ("rtn", "awq") else "128" if name == "mixed" else None
     rtn = {r["recipe"][4:]: r["by_corpus"][corpus]["ppl"] for r in rows if r["recipe"].startswith("rtn:")}
     removed = f"{1 - (s['ppl'] - base) / (rtn[group] - base):.0%}" if name != "rtn" and group in rtn else ""
     if row["recipe"] == "float":

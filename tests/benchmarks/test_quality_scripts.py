@@ -9,6 +9,8 @@ from contextlib import contextmanager
 
 import pytest
 
+from bench_scripts import load_script
+
 pytest_plugins = ["bench_scripts"]  # the fixtures: run_script, tiny_model, tiny_artifact, tiny_int4_artifact
 SHORT_AWQ = ["--set", "alpha_grid=2", "--set", "clip_search=false", "--set", "module_candidates=0"]
 
@@ -113,6 +115,18 @@ def test_kl_quality(run_script, tiny_model, tmp_path):
     run_script("kl_quality", *argv, "--recipes", "rtn:64,rtn:32", prepare=lambda m: setattr(m, "_child", _only("rtn:32", m._child)))
     resumed = json.loads((tmp_path / "out.json").read_text())["rows"]
     assert resumed[:2] == rows and resumed[2]["recipe"] == "rtn:32"
+
+
+def test_kl_quality_recipes_may_name_their_dtype():
+    kl = load_script("kl_quality")
+    table = kl.pipeline_for("mixed:4.25:bfloat16", 8)
+    assert (table["model"]["dtype"], table["passes"][0]["average_bits"], table["calibration"]["samples"]) == (
+        "bfloat16", 4.25, 8)
+    assert kl.pipeline_for("mixed:4.5", 8)["model"]["dtype"] == "float16"  # the example's
+    rows = [{"recipe": r, "bits_per_weight": None, "by_corpus": {"pydoc": {"ppl": p, "kld_mean": 0.1,
+                                                                            "kld_mean_uncertainty": 0.01, "same_top": 0.9}}}
+            for r, p in (("float", 10.0), ("rtn:64", 20.0), ("awq:64:bfloat16", 12.0))]
+    assert "| awq:64:bfloat16 |  | 12.000 (+20.00%) | 80% |" in kl.markdown_table(rows)  # against rtn:64
 
 
 def _only(recipe: str, child):
