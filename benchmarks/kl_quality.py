@@ -8,7 +8,8 @@ compressed model against its float source, on the same windows of each corpus.
 Recipes: ``rtn:G`` (round to nearest, the AWQ pass's layers and group-size fallback, no search: not
 written), ``awq:G`` (``examples/awq_g128.toml`` at group size G), ``fp8`` (``examples/fp8.toml``),
 ``mixed:B`` (``examples/awq_mixed_4p5.toml`` at ``average_bits = B``, float16 as the example;
-``mixed:B:bfloat16`` in bfloat16, for Gemma 3, which float16 overflows), or a pipeline TOML. Every
+``mixed:B:bfloat16`` in bfloat16, for Gemma 3, which float16 overflows), or a pipeline TOML
+(``examples/float.toml::bfloat16``: no pass, the model in bfloat16, what that dtype alone costs). Every
 pipeline runs at ``--samples`` calibration windows and is compiled, written and reloaded before it
 is scored. Each recipe runs in its own subprocess (its compile time and peak RSS
 its own); the float row saves one reference file per corpus (``compiler/io/kl_reference.py``) that
@@ -43,7 +44,7 @@ DEFAULT_RECIPES = "rtn:128,rtn:64,awq:128,awq:64,fp8,mixed:4.5"
 def pipeline_for(recipe: str, samples: int) -> dict:
     """The pipeline table a recipe names, with ``samples`` calibration windows."""
     name, arg, dtype = (recipe.split(":") + ["", ""])[:3]
-    path = ROOT / NAMED_RECIPES[name] if name in NAMED_RECIPES else Path(recipe)
+    path = ROOT / NAMED_RECIPES[name] if name in NAMED_RECIPES else Path(name)
     if not path.is_file():
         raise SystemExit(f"unknown recipe {recipe!r}: give rtn:G, awq:G, fp8, mixed:BITS[:DTYPE] or a pipeline .toml file")
     table = tomllib.loads(path.read_text())

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from bench_scripts import load_script
+from bench_scripts import ROOT, load_script
 
 pytest_plugins = ["bench_scripts"]  # the fixtures: run_script, tiny_model, tiny_artifact, tiny_int4_artifact
 SHORT_AWQ = ["--set", "alpha_grid=2", "--set", "clip_search=false", "--set", "module_candidates=0"]
@@ -123,6 +123,8 @@ def test_kl_quality_recipes_may_name_their_dtype():
     assert (table["model"]["dtype"], table["passes"][0]["average_bits"], table["calibration"]["samples"]) == (
         "bfloat16", 4.25, 8)
     assert kl.pipeline_for("mixed:4.5", 8)["model"]["dtype"] == "float16"  # the example's
+    float_bf16 = kl.pipeline_for(str(ROOT / "examples" / "float.toml") + "::bfloat16", 8)
+    assert float_bf16["model"]["dtype"] == "bfloat16" and not float_bf16.get("passes")
     rows = [{"recipe": r, "bits_per_weight": None, "by_corpus": {"pydoc": {"ppl": p, "kld_mean": 0.1,
                                                                             "kld_mean_uncertainty": 0.01, "same_top": 0.9}}}
             for r, p in (("float", 10.0), ("rtn:64", 20.0), ("awq:64:bfloat16", 12.0))]
