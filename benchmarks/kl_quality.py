@@ -58,11 +58,12 @@ def pipeline_for(recipe: str, samples: int) -> dict:
     return table
 
 
-def converted_bits(layers: list[dict]) -> float:
-    """Stored bits per weight over the converted (non-float) layers of ``qcompile inspect``'s rows."""
+def converted_bits(layers: list[dict]) -> float | None:
+    """Stored bits per weight over the converted (non-float) layers of ``qcompile inspect``'s rows;
+    None where every layer is float."""
     converted = [layer for layer in layers if layer["format"] not in ("float32", "float16", "bfloat16")]
     weights = sum(layer["out_features"] * layer["in_features"] for layer in converted)
-    return sum(8 * layer["bytes"] for layer in converted) / weights
+    return sum(8 * layer["bytes"] for layer in converted) / weights if weights else None
 
 
 def rtn_model(model_name: str, group_size: int):

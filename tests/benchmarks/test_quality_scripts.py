@@ -125,6 +125,7 @@ def test_kl_quality_recipes_may_name_their_dtype():
     assert kl.pipeline_for("mixed:4.5", 8)["model"]["dtype"] == "float16"  # the example's
     float_bf16 = kl.pipeline_for(str(ROOT / "examples" / "float.toml") + "::bfloat16", 8)
     assert float_bf16["model"]["dtype"] == "bfloat16" and not float_bf16.get("passes")
+    assert kl.converted_bits([{"format": "bfloat16", "out_features": 4, "in_features": 4, "bytes": 32}]) is None
     rows = [{"recipe": r, "bits_per_weight": None, "by_corpus": {"pydoc": {"ppl": p, "kld_mean": 0.1,
                                                                             "kld_mean_uncertainty": 0.01, "same_top": 0.9}}}
             for r, p in (("float", 10.0), ("rtn:64", 20.0), ("awq:64:bfloat16", 12.0))]

@@ -374,9 +374,11 @@ def test_lower_refuses_experts_left_float_beside_quantized_ones(tmp_path):
         lower(artifact, "vllm", tmp_path / "vllm")
 
 
-def test_gemma3_in_float16_is_refused(tmp_path):
+def test_gemma3_with_int4_layers_is_refused_by_lower(tmp_path):
+    """A float32 Gemma 3 artifact with INT4 layers would be written in float16, which vLLM refuses (a
+    compile in float16 is refused for Gemma 3 before it starts: tests/compiler/pipeline)."""
     checkpoint = save_arch(tmp_path, "gemma3")
-    artifact = compile_for(checkpoint, {"model": {"dtype": "float16"}}, tmp_path / "artifact", target=None)
+    artifact = compile_for(checkpoint, {"passes": [{"name": "awq", "group_size": 32}]}, tmp_path / "artifact", target=None)
     with pytest.raises(ConfigError, match="vLLM refuses Gemma 3 in float16"):
         lower(artifact, "vllm", tmp_path / "vllm")
 
