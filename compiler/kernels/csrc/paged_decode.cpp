@@ -149,7 +149,7 @@ struct SeqCache {
     }
   }
 
-  // Asks for the first run of `cache`, ahead of the work that precedes reading it.
+  // Asks for the first run of `cache` (V's, while the softmax runs before it is read).
   void prefetch_first(const T* cache) const {
     if (n > 0) prefetch(row_at(cache, first), std::min(block_size - first % block_size, n));
   }
@@ -301,7 +301,6 @@ void decode_sequence(const float* q, const SeqCache<T>& seq, const float* k_scal
                      std::vector<float>& scores, std::vector<float>& buffer) {
   const int64_t n = seq.n, Hq = Hkv * G, stride = seq.token_stride, scales_per_head = kPerChannel<T> ? D : 1;
   scores.resize(Hq * n);
-  seq.prefetch_first(seq.k);
   seq.each_run(seq.k, [&](int64_t t0, int64_t count, const T* rows) {
     for (int64_t h = 0; h < Hkv; ++h) {
       auto [k, k_stride] = head_rows(rows + h * D, count, stride, k_scales + h * scales_per_head, D, buffer);
