@@ -62,8 +62,11 @@ from compiler.pipeline.calibration import (
 from compiler.pipeline.selection import check_patterns, meta_model
 from compiler.progress import track
 
+# Holds until a pass converts a layer (plans a storage format for it): what a pass rewriting every
+# weight needs (``rotate``).
+UNCONVERTED = "no_converted_layers"
 # Properties that hold for a freshly loaded checkpoint.
-INITIAL_PROPERTIES = frozenset({"float_weights"})
+INITIAL_PROPERTIES = frozenset({"float_weights", UNCONVERTED})
 
 
 @dataclass
@@ -330,6 +333,7 @@ class Pipeline:
         plans: dict[Pass, PassPlan] = {}
         formats: dict[str, dict] = {}
         kv_cache = None  # the pass that declares the manifest's one KV-cache entry
+        converter = None  # the first pass that converts layers
         for i, p in enumerate(self.passes):
             where = f"passes[{i}] ({p.name})"
             if getattr(p.options, "kv_cache_dtype", "none") != "none":
@@ -338,6 +342,9 @@ class Pipeline:
                                                   "cache, and an artifact has one; set it in one pass")
                 kv_cache = where
             missing = p.requires - properties
+            if UNCONVERTED in missing:
+                raise PipelineValidationError(f"{where}: must run before any pass that converts layers "
+                                              f"({converter}); move it before that one")
             if missing:
                 providers = sorted(n for n, c in PASSES.items() if c.provides & missing)
                 hint = f"; run {' or '.join(providers)} before it" if providers else ""
@@ -349,6 +356,9 @@ class Pipeline:
                 claimed[module] = where
                 formats[module] = fmt
             properties = (properties - p.invalidates) | p.provides
+            if plans[p].formats:
+                converter = converter or where
+                properties.discard(UNCONVERTED)
         if self.config.target.name:
             self._check_target(formats, model_config)
         return CompilePlan(meta, plans, formats)
