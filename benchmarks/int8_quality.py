@@ -56,11 +56,17 @@ VARIANTS = {
     "w8a8-static-search": {"activation_scheme": "static", "activation_symmetric": False, "static_range": "search"},
     "w8a16": {"activation_scheme": "none", "activation_symmetric": True, "smoothing": "none"},
 }
+# The same with the rotate pass before the int8 pass (a folded rotation of the residual stream).
+VARIANTS |= {f"{label}-rotated": VARIANTS[label] for label in
+             ("w8a8-dynamic", "w8a8-dynamic-asymmetric", "w8a8-static")}
 
 
-def variant_config(options: dict | None, samples: int, dtype: str) -> PipelineConfig:
+def variant_config(label: str, samples: int, dtype: str) -> PipelineConfig:
     d = {"model": {"dtype": dtype}, "calibration": {"corpus": "pydoc", "samples": samples, "seq_len": 512, "seed": 0}}
+    options = VARIANTS[label]
     d["passes"] = [] if options is None else [{**EXAMPLE, **options}]
+    if label.endswith("-rotated"):
+        d["passes"].insert(0, {"name": "rotate"})
     return PipelineConfig.from_dict(d)
 
 
@@ -108,10 +114,10 @@ def main(argv=None) -> dict:
             start = time.perf_counter()
             variant = copy.copy(source)
             variant.model = copy.deepcopy(source.model)
-            compiled = compile_loaded(variant, variant_config(VARIANTS[label], args.samples, args.dtype), Path(tmp) / label)
+            compiled = compile_loaded(variant, variant_config(label, args.samples, args.dtype), Path(tmp) / label)
             compile_s = time.perf_counter() - start
             model = load_artifact(compiled.path).model
-            metrics = compiled.reports[0].metrics if compiled.reports else {}
+            metrics = next((r.metrics for r in compiled.reports if r.name == "int8"), {})
             for corpus, (windows, reference) in sets.items():
                 scores = compare_on_windows(source.model, model, windows, reference=reference,
                                             batch_size=4 if reference is not None else 1)
