@@ -41,17 +41,19 @@ def test_int8_quality(run_script, tiny_model, tmp_path):
     assert [(r["variant"], r["corpus"]) for r in doc["rows"]] == [
         ("float", "pydoc"), ("float", "stdlib-docs"), ("w8a8-dynamic", "pydoc"), ("w8a8-dynamic", "stdlib-docs")]
     assert all(finite(r["ppl"], r["kl"]) for r in doc["rows"]) and doc["vllm"] == []
-    # a resumed run keeps the variants its file holds and compiles only the new one
+    # a resumed run keeps the variants its file holds and compiles only the new one (rotated: rotate, then int8)
     compiled = []
-    resumed = run_script("int8_quality", *argv, "--only", "w8a8-dynamic", "w8a16",
+    resumed = run_script("int8_quality", *argv, "--only", "w8a8-dynamic", "w8a8-dynamic-rotated",
                          prepare=lambda m: setattr(m, "compile_loaded", _recording(compiled, m.compile_loaded)))
-    assert len(compiled) == 1 and resumed["rows"][:4] == doc["rows"]
-    assert [r["variant"] for r in json.loads((tmp_path / "out.json").read_text())["rows"][4:]] == ["w8a16", "w8a16"]
+    assert compiled == [["rotate", "int8"]] and resumed["rows"][:4] == doc["rows"]
+    rotated = json.loads((tmp_path / "out.json").read_text())["rows"][4:]
+    assert [r["variant"] for r in rotated] == ["w8a8-dynamic-rotated"] * 2
+    assert all(r["smoothing_strength"] is not None for r in rotated)  # the int8 pass's report, not rotate's
 
 
 def _recording(calls: list, compile_loaded):
     def run(loaded, config, out):
-        calls.append(out.name)
+        calls.append([p["name"] for p in config.passes])
         return compile_loaded(loaded, config, out)
     return run
 
