@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_helpers import (FP8, FP8_KV, INT4, INT8, INT8_ASYMMETRIC, INT8_STATIC, ROOT, VLLM_PYTHON, assert_decompresses_to_the_artifact, assert_vllm_refuses_int4,
+from vllm_helpers import (FP8, FP8_KV, INT4, INT8, INT8_ASYMMETRIC, INT8_ROTATED, INT8_STATIC, ROOT, VLLM_PYTHON, assert_decompresses_to_the_artifact, assert_vllm_refuses_int4,
                           compare_with_engine, compile_for, save_checkpoint, start_server, vllm_here)
 
 from compiler.deploy.lowering import lower
@@ -41,7 +41,8 @@ pytestmark = pytest.mark.integration
 MODELS = {"llama-int4": ("llama", INT4), "qwen2-int4": ("qwen2", INT4), "llama-fp8": ("llama", FP8),
           "qwen2-fp8": ("qwen2", FP8), "llama-fp8-kv": ("llama", FP8_KV),
           "llama-int4-f32": ("llama", {**INT4, "model": {"dtype": "float32"}}), "llama-int8": ("llama", INT8),
-          "qwen2-int8-asymmetric": ("qwen2", INT8_ASYMMETRIC), "llama-int8-static": ("llama", INT8_STATIC)}
+          "qwen2-int8-asymmetric": ("qwen2", INT8_ASYMMETRIC), "llama-int8-static": ("llama", INT8_STATIC),
+          "llama-int8-rotated": ("llama-tied", INT8_ROTATED)}
 KERNELS = {"int4": "CPUWNA16LinearKernel", "int8": "CompressedTensorsW8A8Int8", "fp8": "CompressedTensorsW8A8Fp8"}
 
 
@@ -56,6 +57,7 @@ def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         pytest.fail(f"vLLM is not installed at {VLLM_PYTHON}; run scripts/setup_vllm.sh (scripts/setup.sh does)")
     root = tmp_path_factory.mktemp("vllm")
     checkpoints = {arch: save_checkpoint(root, arch) for arch in ("llama", "qwen2")}
+    checkpoints["llama-tied"] = save_checkpoint(root / "tied", "llama", tie_word_embeddings=True)
     out = {}
     for name, (arch, pipeline) in MODELS.items():
         artifact = compile_for(checkpoints[arch], pipeline, root / f"artifact-{name}")
@@ -64,7 +66,7 @@ def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 
 
 @pytest.mark.parametrize("name", ["llama-int4", "qwen2-int4", "llama-fp8", "qwen2-fp8", "llama-int4-f32", "llama-int8",
-                                  "qwen2-int8-asymmetric", "llama-int8-static"])
+                                  "qwen2-int8-asymmetric", "llama-int8-static", "llama-int8-rotated"])
 def test_vllm_runs_the_export_as_the_engine_does(exported, name, tmp_path):
     artifact, checkpoint = exported[name]
     if "int4" in name and not vllm_here().w4a16:

@@ -49,6 +49,8 @@ FP8 = {"passes": [{"name": "fp8", "input_shift": False, "max_layer_error": 10.0}
 INT8 = {"passes": [{"name": "int8", "smoothing_strength": 0.5}]}
 INT8_ASYMMETRIC = {"passes": [{**INT8["passes"][0], "activation_symmetric": False}]}
 INT8_STATIC = {"passes": [{**INT8["passes"][0], "activation_scheme": "static"}]}
+# The same after the rotate pass (on a tied checkpoint: the export writes the untied head it makes).
+INT8_ROTATED = {"passes": [{"name": "rotate"}, INT8["passes"][0]]}
 FP8_KV = {"passes": [{**FP8["passes"][0], "kv_cache_dtype": "float8_e4m3fn", "kv_cache_granularity": "per_tensor"}]}
 
 
