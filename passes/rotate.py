@@ -17,9 +17,9 @@ feeds, so the whole residual stream can live in the rotated basis h Q:
    weight, the embedding does not), and the config says so: every export writes it.
 
 "hadamard" is the Kronecker product of a Hadamard matrix of the width's largest power-of-two factor
-with a random orthogonal matrix of the rest (SmolLM2's 576 = 64 × 9), its rows' signs random: its
-Hadamard factor spreads one channel's outlier evenly over 64 channels (a random rotation spreads it
-only on average), the random factor over the rest.
+with a random orthogonal matrix of the rest (SmolLM2's 576 = 64 × 9), its rows' signs random: one
+channel's outlier lands on every channel, with equal magnitude within each block of 64 (a random
+rotation spreads it only on average).
 
 Not handled, refused before any work: Gemma's sandwich norms (a norm on each writer's output, whose
 weight does not commute with Q), norms with a weight offset, mixture-of-experts and latent attention.
