@@ -109,9 +109,9 @@ def unrotatable(model: Transformer) -> str | None:
     if spec.sandwich_norms:
         return "normalises each sub-block's output before the residual add (sandwich norms), which a rotation does not pass"
     if spec.norm_weight_offset:
-        return "its norms multiply by (offset + weight)"
+        return "multiplies its norms by (offset + weight)"
     if spec.is_moe or spec.attention != "gqa":
-        return "mixture of experts and latent attention are not handled"
+        return "has mixture-of-experts or latent-attention layers, which this pass does not handle"
     return None
 
 

@@ -128,7 +128,7 @@ def test_rotate_after_a_converting_pass_is_refused(tiny_checkpoint_with_tokenize
     assert not (path.parent / "never").exists()
 
 
-@pytest.mark.parametrize("case, why", [("gemma3", "sandwich norms"), ("qwen3-moe", "mixture of experts")])
+@pytest.mark.parametrize("case, why", [("gemma3", "sandwich norms"), ("qwen3-moe", "has mixture-of-experts or latent-attention layers")])
 def test_architectures_it_cannot_rotate_are_refused(tmp_path, case, why):
     make_arch_model(case).save_pretrained(tmp_path / "hf")
     pipeline = PipelineConfig.from_dict({"calibration": CALIB, "passes": [{"name": "rotate"}]})
