@@ -9,6 +9,7 @@ and prints the mean per-token KL from float on the validation windows of pydoc a
     python docs/notes/2026-12-int8-error-sources.py kinds      # weights vs activations, by Linear kind
     python docs/notes/2026-12-int8-error-sources.py weights    # weights alone, by kind and by 5 layers
     python docs/notes/2026-12-int8-error-sources.py layers     # asymmetric activations of down_proj, layer by layer
+    python docs/notes/2026-12-int8-error-sources.py rotation   # weights and activations, after the rotate pass's rotation
 """
 import os
 import sys
@@ -23,6 +24,7 @@ from benchmarks.fp8_quality import held_out_sets  # noqa: E402
 from compiler.io.load import load_checkpoint  # noqa: E402
 from compiler.quant.int8 import dequantize_weight, quantize_per_token, quantize_weight, weight_scale  # noqa: E402
 from passes.distill.evaluate import compare_on_windows  # noqa: E402
+from passes.rotate import rotate_residual, rotation_matrix  # noqa: E402
 
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WINDOWS = int(os.environ.get("WINDOWS", 4))  # per corpus; the layer-by-layer run used 2
@@ -78,5 +80,13 @@ elif what == "weights":
 elif what == "layers":
     for i in range(model.config.n_layers):
         run(f"asymmetric activations: layer {i} down_proj", set(), {"down_proj"}, symmetric=False, layers=[i])
+elif what == "rotation":  # the rotate pass's default rotation, then the same fake quantization
+    run("weights and activations, symmetric", ALL, ALL)
+    run("weights and activations, asymmetric", ALL, ALL, symmetric=False)
+    setup(set(), set())  # the float weights back before rotating them
+    rotate_residual(model, rotation_matrix(model.config.dim, "hadamard", 0))
+    float_weights = {n: m.weight.data.clone() for n, m in linears.items()}
+    run("rotated: weights and activations, symmetric", ALL, ALL)
+    run("rotated: weights and activations, asymmetric", ALL, ALL, symmetric=False)
 else:
-    raise SystemExit(f"unknown study {what!r}: kinds, weights or layers")
+    raise SystemExit(f"unknown study {what!r}: kinds, weights, layers or rotation")
