@@ -333,7 +333,6 @@ class Pipeline:
         plans: dict[Pass, PassPlan] = {}
         formats: dict[str, dict] = {}
         kv_cache = None  # the pass that declares the manifest's one KV-cache entry
-        converter = None  # the first pass that converts layers
         for i, p in enumerate(self.passes):
             where = f"passes[{i}] ({p.name})"
             if getattr(p.options, "kv_cache_dtype", "none") != "none":
@@ -343,8 +342,9 @@ class Pipeline:
                 kv_cache = where
             missing = p.requires - properties
             if UNCONVERTED in missing:
+                first = next(iter(claimed.values()))  # the first pass that claimed (converts) a layer
                 raise PipelineValidationError(f"{where}: must run before any pass that converts layers "
-                                              f"({converter}); move it before that one")
+                                              f"({first}); move it before that one")
             if missing:
                 providers = sorted(n for n, c in PASSES.items() if c.provides & missing)
                 hint = f"; run {' or '.join(providers)} before it" if providers else ""
@@ -356,8 +356,7 @@ class Pipeline:
                 claimed[module] = where
                 formats[module] = fmt
             properties = (properties - p.invalidates) | p.provides
-            if plans[p].formats:
-                converter = converter or where
+            if claimed:
                 properties.discard(UNCONVERTED)
         if self.config.target.name:
             self._check_target(formats, model_config)
