@@ -96,6 +96,7 @@ from passes.awq_plan import (
     plan_layers,
     q4_k_m_budget,
     smaller_groups,
+    wider_format,
     wider_type,
 )
 from passes.awq_search import (
@@ -126,7 +127,8 @@ class AWQPass(Pass):
     def plan(self, model) -> AwqPlan:
         layers, excluded = plan_layers(model, self.options)
         formats = {name: p.format(self.options.zero_point) for name, p in layers.items()}
-        return AwqPlan(formats, layers, excluded)
+        alternatives = {name: wide for name, p in layers.items() if (wide := wider_format(self.options, p))}
+        return AwqPlan(formats, alternatives, layers, excluded)
 
     def scope(self, model):
         # q4_k_m's and average_bits' wider layers are chosen over the whole model after the last block, and the

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch.nn as nn
 
 from compiler.errors import ConfigError
+from compiler.formats.int8 import Int8Format
 from compiler.formats.qlinear import linear_modules
 from compiler.model.config import ModelConfig
 from compiler.model.moe import router_names
@@ -264,6 +265,16 @@ def _offenders_message(options: AWQOptions, listed: str) -> str:
     fix = ('use group_size_policy = "pad"' if options.group_size_policy == "fallback"
            else 'use group_size_policy = "fallback" or "pad", or a group size that divides them')
     return f"awq: group_size {options.group_size} does not divide in_features of {listed}; {fix}"
+
+
+def wider_format(options: AWQOptions, plan: LayerPlan) -> dict | None:
+    """The manifest entry a layer measured sensitive may get instead of its planned one: ``average_bits``'
+    INT8 W8A16 (``passes/awq_grid.py``'s ``Int8Grid``), q4_k_m's Q6_K (or its fallback); None without either."""
+    if options.average_bits is not None:
+        return Int8Format(in_features=plan.in_features, out_features=plan.out_features,
+                          activation_scheme="none").to_dict()
+    wide = wider_type(options, plan)
+    return None if wide is None else replace(plan, block_type=wide).format(options.zero_point)
 
 
 def wider_type(options: AWQOptions, plan: LayerPlan) -> str | None:

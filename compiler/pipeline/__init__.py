@@ -106,6 +106,9 @@ class PassPlan:
     of its plan when it runs (AWQ: each layer's group size and why) returns a subclass."""
 
     formats: dict[str, dict] = field(default_factory=dict)  # module -> the storage format it will get (its claims)
+    # module -> the wider format the pass may give it instead once it has measured the layer (AWQ's average_bits:
+    # INT8 W8A16; gguf:q4_k_m: Q6_K), so that the target is checked for it before any work
+    alternatives: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,7 @@ class CompilePlan:
     meta: Transformer  # the model on the meta device: every module's name and shape, no weights
     passes: dict["Pass", PassPlan]  # each pass of the pipeline, in order -> its plan
     formats: dict[str, dict]  # every planned module's storage format, over all the passes
+    alternatives: dict[str, dict] = field(default_factory=dict)  # the wider formats passes may give instead
 
 
 @dataclass
@@ -332,6 +336,7 @@ class Pipeline:
         claimed: dict[str, str] = {}
         plans: dict[Pass, PassPlan] = {}
         formats: dict[str, dict] = {}
+        alternatives: dict[str, dict] = {}
         kv_cache = None  # the pass that declares the manifest's one KV-cache entry
         for i, p in enumerate(self.passes):
             where = f"passes[{i}] ({p.name})"
@@ -355,21 +360,25 @@ class Pipeline:
                     raise PipelineValidationError(f"{where}: layer {module} is already claimed by {claimed[module]}; exclude it from one of them with modules_to_not_convert")
                 claimed[module] = where
                 formats[module] = fmt
+            alternatives |= plans[p].alternatives
             properties = (properties - p.invalidates) | p.provides
             if claimed:
                 properties.discard(UNCONVERTED)
         if self.config.target.name:
-            self._check_target(formats, model_config)
-        return CompilePlan(meta, plans, formats)
+            self._check_target(formats, alternatives, model_config)
+        return CompilePlan(meta, plans, formats, alternatives)
 
-    def _check_target(self, formats: dict[str, dict], model_config: ModelConfig) -> None:
-        """Whether the target runs every planned format and the deployment as a whole."""
+    def _check_target(self, formats: dict[str, dict], alternatives: dict[str, dict], model_config: ModelConfig) -> None:
+        """Whether the target runs every planned format (and every wider one a pass may choose instead) and the
+        deployment as a whole."""
         from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
 
         plan = DeploymentPlan(self.config.model.dtype, formats, [(p.name, p.options) for p in self.passes],
                               config=model_config)
         try:
             check_formats(self.config.target.name, formats, "pipeline")
+            check_formats(self.config.target.name, alternatives, "pipeline (the wider format a pass may give a layer "
+                          "it measures sensitive)")
             check_plan(self.config.target.name, plan, "pipeline")
         except ConfigError as e:
             raise PipelineValidationError(str(e)) from None

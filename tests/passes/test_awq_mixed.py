@@ -14,13 +14,14 @@ import pytest
 import torch
 
 import passes  # noqa: F401  (registers awq)
+from compiler.deploy.targets import TARGETS, Target, register_target
 from compiler.errors import ConfigError
 from compiler.formats.int4 import Int4Linear
 from compiler.formats.int8 import Int8Linear
 from compiler.io.artifact import load_artifact
 from compiler.io.load import load_checkpoint
 from compiler.io.summary import artifact_summary
-from compiler.pipeline import PassContext, Pipeline, PipelineConfig
+from compiler.pipeline import PassContext, Pipeline, PipelineConfig, PipelineValidationError
 from compiler.pipeline.compile import compile_model
 from compiler.quant.int4 import choose_qparams, quantize
 from passes.awq import AWQPass, sensitivity_unit, stored_bits
@@ -159,6 +160,10 @@ def test_mixed_artifact_records_each_layers_format_and_reloads_with_the_same_log
     int8 = [n for n, m in modules.items() if m["format"] == "int8"]
     assert all(modules[n]["activation_scheme"] == "none" and "int8 W8A16, measured sensitive" in rows[n].reason
                for n in int8)
+    # the plan listed, before any work, the INT8 format each of them got (the target is checked for it)
+    plan = Pipeline(config(group_size=64, average_bits=AVERAGE_BITS)).validate(reloaded.model.config)
+    assert sorted(plan.alternatives) == sorted(modules)
+    assert all(plan.alternatives[n] == modules[n] for n in int8)
     # the INT8 scales are float16 values, as the INT4 ones (vLLM's float16 checkpoint, GGUF's Q8_0 hold them)
     scales = torch.cat([reloaded.model.get_submodule(n).weight_scale for n in int8])
     assert torch.equal(scales.half().float(), scales)
@@ -177,6 +182,25 @@ def test_mixed_artifact_records_each_layers_format_and_reloads_with_the_same_log
 def test_option_refusals(options, words):
     with pytest.raises(ConfigError, match=words):
         Pipeline(config(**options))
+
+
+@pytest.mark.parametrize("awq,refused", [({"group_size": 64, "average_bits": 5.0}, "int8"),
+                                         ({"format": "gguf:q4_k_m"}, "q6_k")])
+def test_a_target_that_cannot_run_the_wider_format_is_refused_before_any_work(checkpoint, awq, refused):
+    def check(module: str, fmt: dict) -> str | None:
+        return f"no {refused} layers" if refused in (fmt["format"], fmt.get("block_type")) else None
+
+    register_target(Target("test-no-wider", "runs no INT8 or Q6_K layers (test double)", check, lower=None))
+    try:
+        d = {"calibration": CALIBRATION, "passes": [{"name": "awq", **awq}], "target": {"name": "test-no-wider"}}
+        with pytest.raises(PipelineValidationError, match=rf"^pipeline \(the wider format a pass may give a layer it "
+                           rf"measures sensitive\): target 'test-no-wider' cannot run layers\.0\.\S+ \(and \d+ more "
+                           rf"layers\): no {refused} layers$"):
+            Pipeline(PipelineConfig.from_dict(d)).validate(load_checkpoint(checkpoint).model.config)
+        Pipeline(PipelineConfig.from_dict({**d, "passes": [{"name": "awq", "group_size": 64}]})).validate(
+            load_checkpoint(checkpoint).model.config)  # INT4 alone: nothing wider to refuse
+    finally:
+        TARGETS.pop("test-no-wider")
 
 
 def test_average_bits_below_int4s_own_bits_is_refused_in_one_line_before_any_work(checkpoint, tmp_path):

@@ -18,6 +18,7 @@ from compiler.errors import ArtifactError, ConfigError, PipelineValidationError
 from compiler.formats.qlinear import quantized_modules
 from compiler.io.artifact import load_artifact
 from compiler.io.gguf import read_gguf
+from compiler.pipeline import Pipeline, PipelineConfig
 from compiler.model.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -61,6 +62,11 @@ def test_q4_k_m_upgrades_within_llama_cpps_budget(llama, tmp_path):
     wide = [r for r in report["layers"] if r["format"] == "gguf:q6_k"]
     assert wide and all("measured sensitive" in r["reason"] for r in wide)
     assert any("q4_k_m:" in note for note in report["notes"])
+    # the plan listed the Q6_K entry each of them got before any work (the target is checked for it)
+    loaded = load_artifact(artifact)
+    plan = Pipeline(PipelineConfig.from_dict({"passes": [{"name": "awq", "format": "gguf:q4_k_m"}]})).validate(
+        loaded.model.config)
+    assert all(plan.alternatives[r["module"]] == loaded.manifest.modules[r["module"]] for r in wide)
 
 
 @pytest.mark.parametrize("zero_point", [False, True])
