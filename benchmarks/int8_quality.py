@@ -56,17 +56,19 @@ VARIANTS = {
     "w8a8-static-search": {"activation_scheme": "static", "activation_symmetric": False, "static_range": "search"},
     "w8a16": {"activation_scheme": "none", "activation_symmetric": True, "smoothing": "none"},
 }
-# The same with the rotate pass before the int8 pass (a folded rotation of the residual stream).
+# The same with the rotate pass before the int8 pass (a folded rotation of the residual stream): a randomized
+# Hadamard matrix, or (-orthogonal) a random orthogonal one.
 VARIANTS |= {f"{label}-rotated": VARIANTS[label] for label in
              ("w8a8-dynamic", "w8a8-dynamic-asymmetric", "w8a8-static")}
+VARIANTS["w8a8-dynamic-asymmetric-rotated-orthogonal"] = VARIANTS["w8a8-dynamic-asymmetric"]
 
 
 def variant_config(label: str, samples: int, dtype: str) -> PipelineConfig:
     d = {"model": {"dtype": dtype}, "calibration": {"corpus": "pydoc", "samples": samples, "seq_len": 512, "seed": 0}}
     options = VARIANTS[label]
     d["passes"] = [] if options is None else [{**EXAMPLE, **options}]
-    if label.endswith("-rotated"):
-        d["passes"].insert(0, {"name": "rotate"})
+    if "-rotated" in label:
+        d["passes"].insert(0, {"name": "rotate", "rotation": "orthogonal" if label.endswith("-orthogonal") else "hadamard"})
     return PipelineConfig.from_dict(d)
 
 
