@@ -1,7 +1,8 @@
 """qcompile (engine, ONNX Runtime) against vLLM CPU, llama.cpp and onnxruntime-genai on SmolLM2, in one run.
 
     python benchmarks/engine_vs_peers.py --float out/float --int4 out/awq-g128 [--int4-head out/awq-g128-head] [--w4a16] --fp8 out/fp8 \
-        [--int8 out/int8-w8a8] [--int8-asymmetric out/int8-w8a8-asym] [--int8-c8 out/int8-w8a8-c8] \
+        [--int8 out/int8-w8a8] [--int8-asymmetric out/int8-w8a8-asym] [--int8-rotated out/int8-w8a8-rotated] \
+        [--int8-c8 out/int8-w8a8-c8] \
         [--vllm --vllm-int4 out/awq-g128-fp16 --vllm-fp8 out/fp8-vllm] [--onnx [--onnx-standard]] [--llama-cpp [--gguf-q4-0 out/awq-gguf-q4_0]] \
         [--genai-path /tmp/ortgenai --genai-model /tmp/genai-int4] [--threads 2] [--output-len 128] \
         [--json out/engine_vs_peers.json] [--plot out/engine_vs_peers.png]
@@ -259,7 +260,7 @@ def run_genai(args) -> dict:
 def int8_rows(args) -> list[tuple[str, Path]]:
     """The INT8 artifacts the engine runs, with their row labels (vLLM takes no INT8 KV cache: not the C8 one)."""
     rows = (("INT8 W8A8", args.int8), ("INT8 W8A8, asymmetric", args.int8_asymmetric),
-            ("INT8 W8A8 + INT8 KV cache", args.int8_c8))
+            ("INT8 W8A8, asymmetric, rotated", args.int8_rotated), ("INT8 W8A8 + INT8 KV cache", args.int8_c8))
     return [(label, artifact) for label, artifact in rows if artifact]
 
 
@@ -279,7 +280,8 @@ def runtimes(args) -> list[tuple[str, callable]]:
     if args.vllm:
         variants = [("float", "vLLM CPU float32", args.float), ("int4", "vLLM CPU W4A16", args.vllm_int4 or args.int4),
                     ("fp8", "vLLM CPU FP8 W8A8", args.vllm_fp8 or args.fp8), ("int8", "vLLM CPU INT8 W8A8", args.int8),
-                    ("int8", "vLLM CPU INT8 W8A8, asymmetric", args.int8_asymmetric)]
+                    ("int8", "vLLM CPU INT8 W8A8, asymmetric", args.int8_asymmetric),
+                    ("int8", "vLLM CPU INT8 W8A8, asymmetric, rotated", args.int8_rotated)]
         for key, label, artifact in variants:
             if artifact:
                 eager = key in args.vllm_eager
@@ -395,6 +397,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--int8", type=Path, help="an INT8 W8A8 artifact (examples/int8_w8a8.toml)")
     p.add_argument("--int8-asymmetric", type=Path,
                    help="an INT8 W8A8 artifact with asymmetric activations (examples/int8_w8a8_asymmetric.toml)")
+    p.add_argument("--int8-rotated", type=Path,
+                   help="an INT8 W8A8 artifact of the rotate pass, then asymmetric activations (examples/int8_w8a8_rotated.toml)")
     p.add_argument("--int8-c8", type=Path, help="an INT8 W8A8 artifact with an INT8 KV cache (examples/int8_w8a8_c8.toml): "
                                                 "the engine only")
     p.add_argument("--vllm", action="store_true", help="also vLLM CPU on the float, INT4, FP8 and INT8 artifacts, lowered for it")

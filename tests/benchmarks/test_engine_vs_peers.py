@@ -23,11 +23,13 @@ def peers():
 def test_the_int8_artifacts_each_get_an_engine_row_and_vllm_serves_those_it_can(peers, monkeypatch):
     monkeypatch.setattr(peers, "run_engine", lambda artifact, args, plan=None: f"engine {artifact}")
     monkeypatch.setattr(peers, "run_vllm", lambda artifact, args, eager=False: f"vLLM {artifact}")
-    args = peers.parser().parse_args(["--float", "F", "--int8", "S", "--int8-asymmetric", "A", "--int8-c8", "C", "--vllm"])
+    args = peers.parser().parse_args(["--float", "F", "--int8", "S", "--int8-asymmetric", "A", "--int8-rotated", "R",
+                                      "--int8-c8", "C", "--vllm"])
     assert [(label, measure()) for label, measure in peers.runtimes(args)] == [
         ("qcompile float32", "engine F"), ("qcompile INT8 W8A8", "engine S"), ("qcompile INT8 W8A8, asymmetric", "engine A"),
-        ("qcompile INT8 W8A8 + INT8 KV cache", "engine C"), ("vLLM CPU float32", "vLLM F"), ("vLLM CPU INT8 W8A8", "vLLM S"),
-        ("vLLM CPU INT8 W8A8, asymmetric", "vLLM A")]  # vLLM takes no INT8 KV cache
+        ("qcompile INT8 W8A8, asymmetric, rotated", "engine R"), ("qcompile INT8 W8A8 + INT8 KV cache", "engine C"),
+        ("vLLM CPU float32", "vLLM F"), ("vLLM CPU INT8 W8A8", "vLLM S"), ("vLLM CPU INT8 W8A8, asymmetric", "vLLM A"),
+        ("vLLM CPU INT8 W8A8, asymmetric, rotated", "vLLM R")]  # vLLM takes no INT8 KV cache
 
 
 def test_a_runtime_past_its_time_becomes_an_error(peers):
