@@ -128,7 +128,7 @@ class AWQPass(Pass):
         layers, excluded = plan_layers(model, self.options)
         formats = {name: p.format(self.options.zero_point) for name, p in layers.items()}
         alternatives = {name: wide for name, p in layers.items() if (wide := wider_format(self.options, p))}
-        return AwqPlan(formats, alternatives, layers, excluded)
+        return AwqPlan(formats, alternatives, layers=layers, excluded=excluded)
 
     def scope(self, model):
         # q4_k_m's and average_bits' wider layers are chosen over the whole model after the last block, and the
