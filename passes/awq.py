@@ -277,8 +277,7 @@ class AwqStream(BlockStream):
     def quantize_head(self) -> None:
         """Steps 1-5 for the final norm → lm_head group, on the last block's outputs."""
         model, head = self.model, HEAD_GROUP.linears[0]
-        if model.config.tie_embeddings:
-            model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.detach().clone(), requires_grad=False)
+        model.untie_lm_head()
         stats = InputStatistics(InputRequest(mean_abs=True, gram="sampled"), model.config.dim)
         for chunk in self.x.split(self.positions.shape[0]):
             stats.add(model.norm(chunk), self.sampler.draw(chunk.shape[0] * chunk.shape[1]))

@@ -86,9 +86,8 @@ def rotate_residual(model: Transformer, q: torch.Tensor) -> None:
         if linear.bias is not None:
             store(linear.bias, linear.bias.double() @ q)
 
-    if model.config.tie_embeddings:
-        model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone(), requires_grad=False)
-        model.config.tie_embeddings = False
+    model.untie_lm_head()
+    model.config.tie_embeddings = False
     store(model.embed_tokens.weight, model.embed_tokens.weight.double() @ q)
     for layer in model.layers:
         attention, mlp = layer.self_attn, layer.ffn

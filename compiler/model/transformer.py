@@ -67,6 +67,13 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # [R, D/2]
 
+    def untie_lm_head(self) -> None:
+        """Give a tied lm_head a weight of its own, a copy of the embedding's, so that a pass can change one
+        without the other. The config is the caller's to update: the rotate pass unties it for good; AWQ's
+        quantized head leaves it tied (the head's own module is then what the artifact stores)."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = nn.Parameter(self.embed_tokens.weight.detach().clone(), requires_grad=False)
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin: [B, R, T, D] for absolute positions [B, T] (computed in fp32); R = 1, or 2 where
         the sliding layers have their own base (Gemma 3)."""
