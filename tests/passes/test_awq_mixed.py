@@ -191,14 +191,15 @@ def test_a_target_that_cannot_run_the_wider_format_is_refused_before_any_work(ch
         return f"no {refused} layers" if refused in (fmt["format"], fmt.get("block_type")) else None
 
     register_target(Target("test-no-wider", "runs no INT8 or Q6_K layers (test double)", check, lower=None))
+    model_config = load_checkpoint(checkpoint).model.config
     try:
         d = {"calibration": CALIBRATION, "passes": [{"name": "awq", **awq}], "target": {"name": "test-no-wider"}}
         with pytest.raises(PipelineValidationError, match=rf"^pipeline \(the wider format a pass may give a layer it "
                            rf"measures sensitive\): target 'test-no-wider' cannot run layers\.0\.\S+ \(and \d+ more "
                            rf"layers\): no {refused} layers$"):
-            Pipeline(PipelineConfig.from_dict(d)).validate(load_checkpoint(checkpoint).model.config)
-        Pipeline(PipelineConfig.from_dict({**d, "passes": [{"name": "awq", "group_size": 64}]})).validate(
-            load_checkpoint(checkpoint).model.config)  # INT4 alone: nothing wider to refuse
+            Pipeline(PipelineConfig.from_dict(d)).validate(model_config)
+        # INT4 alone: nothing wider to refuse
+        Pipeline(PipelineConfig.from_dict({**d, "passes": [{"name": "awq", "group_size": 64}]})).validate(model_config)
     finally:
         TARGETS.pop("test-no-wider")
 

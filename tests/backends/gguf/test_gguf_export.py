@@ -18,8 +18,8 @@ from compiler.errors import ArtifactError, ConfigError, PipelineValidationError
 from compiler.formats.qlinear import quantized_modules
 from compiler.io.artifact import load_artifact
 from compiler.io.gguf import read_gguf
-from compiler.pipeline import Pipeline, PipelineConfig
 from compiler.model.config import ModelConfig
+from compiler.pipeline import Pipeline, PipelineConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
