@@ -56,6 +56,8 @@ VARIANTS = {
     "w8a8-static-search": {"activation_scheme": "static", "activation_symmetric": False, "static_range": "search"},
     "w8a16": {"activation_scheme": "none", "activation_symmetric": True, "smoothing": "none"},
 }
+# Static with the N units whose static range costs most kept dynamic (per token, symmetric)
+VARIANTS |= {f"w8a8-static-dynamic{n}": {**VARIANTS["w8a8-static"], "dynamic_fallback": n} for n in (4, 8, 16)}
 # The same with the rotate pass before the int8 pass (a folded rotation of the residual stream): a randomized
 # Hadamard matrix, or (-orthogonal) a random orthogonal one.
 VARIANTS |= {f"{label}-rotated": VARIANTS[label] for label in

@@ -14,6 +14,9 @@ with INT8 activations per token (dynamic) or per tensor (static), or none (W8A16
     weight_rounding = "gptq"            # or "nearest"
     static_range = "minmax"             # static: the whole calibrated range, or "search": the shrink
                                         # with the least layer error on the sampled rows
+    dynamic_fallback = 0                # static: this many units whose static range costs the most keep
+                                        # dynamic symmetric activations per token (vllm-ascend's
+                                        # W8A8_DYNAMIC; msModelSlim's disable_level rolls them to float)
     modules_to_not_convert = ["lm_head", "embed_tokens"]
     kv_cache_dtype = "none"             # "int8": a static INT8 KV cache, symmetric per channel (vllm-ascend's "C8")
 
@@ -45,6 +48,13 @@ Phases, the model in memory (``scope`` "model": the strength is chosen on whole-
 3. **Quantize**: symmetric per-channel scales from the smoothed weight's abs-max, codes by GPTQ's
    error-compensating rounding on them (``passes/gptq.py``); the report's rows give each layer's
    relative output error on the sampled calibration rows (the quantized activations included).
+   With ``dynamic_fallback = N`` (static activations) the units first ranked: a unit is the Linears
+   reading one input (a block's q/k/v, o_proj, gate/up or down_proj, which vLLM and vllm-ascend
+   fuse or run alone, so one unit has one activation scheme); its cost is the mean per-token output
+   error its static range adds over dynamic symmetric activations on its sampled rows (RTN weights),
+   and the N costliest keep dynamic symmetric activations: one range per tensor cannot serve the
+   tokens of a layer whose inputs carry a few huge values (the attention sinks, the massive
+   activations of an early down_proj). The report names them with both errors.
 4. **KV cache** (``kv_cache_dtype = "int8"``): K (after the rotary embedding) and V of every layer
    over the calibration windows, through the quantized model (its K/V come from the INT8 q/k/v
    projections the artifact runs, so their ranges are the served model's); one scale per channel
@@ -107,6 +117,7 @@ class Int8Options:
     validation_windows: int = 4  # windows of [calibration].seq_len tokens scoring each α
     weight_rounding: Literal["gptq", "nearest"] = "gptq"
     static_range: Literal["minmax", "search"] = "minmax"
+    dynamic_fallback: int = 0
     gptq_damp: float = 0.01
     modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head", "embed_tokens"])
     calibration_samples: int | None = None
@@ -128,12 +139,21 @@ class Int8Options:
         for name in ("validation_windows", "error_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dynamic_fallback < 0:
+            raise ValueError(f"dynamic_fallback must be >= 0, got {self.dynamic_fallback}")
+        if self.dynamic_fallback and self.activation_scheme != "static":
+            raise ValueError(f"dynamic_fallback keeps units of a static model dynamic; activation_scheme is "
+                             f"\"{self.activation_scheme}\": set activation_scheme = \"static\" or drop it")
         if self.calibration_samples is not None and self.calibration_samples < 1:
             raise ValueError(f"calibration_samples must be >= 1, got {self.calibration_samples}")
         if not 0 < self.gptq_damp < 1:
             raise ValueError(f"gptq_damp must be in (0, 1), got {self.gptq_damp}")
 
-    def format_for(self, linear: nn.Module) -> Int8Format:
+    def format_for(self, linear: nn.Module, dynamic: bool = False) -> Int8Format:
+        """The configured format, or with ``dynamic`` (a unit ``dynamic_fallback`` chose) dynamic
+        symmetric activations per token."""
+        if dynamic:
+            return Int8Format.for_linear(linear, activation_scheme="dynamic", activation_symmetric=True)
         return Int8Format.for_linear(linear, activation_scheme=self.activation_scheme,
                                      activation_symmetric=self.activation_symmetric)
 
@@ -160,14 +180,20 @@ class Int8Pass(Pass):
         return select_linears(model, self.options.modules_to_not_convert)
 
     def plan(self, model: Transformer) -> PassPlan:
-        linears = linear_modules(model)
-        return PassPlan({n: self.options.format_for(linears[n]).to_dict() for n in self._select(model)[0]})
+        linears, names = linear_modules(model), self._select(model)[0]
+        alternatives = ({n: self.options.format_for(linears[n], dynamic=True).to_dict() for n in names}
+                        if self.options.dynamic_fallback else {})
+        return PassPlan({n: self.options.format_for(linears[n]).to_dict() for n in names}, alternatives)
 
     def check(self, model: Transformer) -> None:
         config = model.config
         if config.spec.is_moe or config.spec.attention == "mla" or config.architecture not in SMOOTHING:
             raise ConfigError(f"the int8 pass does not handle {config.architecture} (mixture of experts or latent "
                               "attention); compile it with the fp8 or awq pass")
+        units = len(self._units(model, self._select(model)[0]))
+        if self.options.dynamic_fallback > units:
+            raise ConfigError(f"dynamic_fallback = {self.options.dynamic_fallback}, but this model has {units} units of "
+                              "converted Linears (a block's q/k/v, o_proj, gate/up, down_proj); give at most that")
 
     def working_memory(self, model: Transformer, calibration, dtype_bytes: int, streamed: bool) -> dict[str, int]:
         o, config = self.options, model.config
@@ -203,12 +229,54 @@ class Int8Pass(Pass):
         request = InputRequest(gram="all" if o.weight_rounding == "gptq" else "none", rows=o.error_tokens,
                                channel_range=o.activation_scheme == "static")
         stats = self._statistics(model, context, {n: request for n in candidates}, "int8: calibrating")
-        rows = [self._convert(model, name, stats[name]) for name in track(candidates, "int8: quantizing layers")]
+        fallback = self._dynamic_units(model, candidates, stats) if o.dynamic_fallback else []
+        dynamic = {name for names, _, _ in fallback for name in names}
+        rows = [self._convert(model, name, stats[name], dynamic=name in dynamic)
+                for name in track(candidates, "int8: quantizing layers")]
         report = self._report(excluded, rows, strengths[chosen] if groups else None, chosen, scores)
+        if fallback:
+            report.metrics["dynamic_fallback"] = sorted(dynamic)
+            report.notes.append(f"{len(fallback)} units keep dynamic symmetric activations, their static range costing "
+                                "most (mean per-token output error, static → dynamic): " + ", ".join(
+                                    f"{_unit_label(names)} {static:.4f} → {dyn:.4f}" for names, static, dyn in fallback))
         if o.kv_cache_dtype == INT8:
             context.manifest_extras["kv_cache"] = self._kv_cache(model, context)
             report.metrics["kv_cache"] = f"{INT8} {o.kv_cache_granularity}"
         return report
+
+    def _units(self, model: Transformer, candidates: list[str]) -> list[list[str]]:
+        """The converted Linears grouped by the input they read (a block's q/k/v, o_proj, gate/up, down_proj)."""
+        converted, units = set(candidates), []
+        for i in range(model.config.n_layers):
+            for group in layer_groups(model.config, i):
+                if names := [f"layers.{i}.{n}" for n in group.linears if f"layers.{i}.{n}" in converted]:
+                    units.append(names)
+        return units
+
+    def _dynamic_units(self, model: Transformer, candidates: list[str], stats: dict[str, InputStatistics]
+                       ) -> list[tuple[list[str], float, float]]:
+        """The ``dynamic_fallback`` units whose static range adds the most output error over dynamic
+        symmetric activations, costliest first: (their Linears, the static error, the dynamic error),
+        each the mean per-token relative output error over the unit's Linears on their sampled rows,
+        weights rounded to nearest (GPTQ rounds the same weights either way)."""
+        costs = []
+        for names in track(self._units(model, candidates), "int8: the static ranges' cost"):
+            errors = [self._activation_errors(model.get_submodule(n), stats[n]) for n in names]
+            costs.append((names, *(sum(e) / len(e) for e in zip(*errors, strict=True))))
+        costs.sort(key=lambda unit: unit[1] - unit[2], reverse=True)
+        return costs[: self.options.dynamic_fallback]
+
+    def _activation_errors(self, linear: nn.Linear, stats: InputStatistics) -> tuple[float, float]:
+        """``linear``'s per-token relative output error on its sampled rows under the configured static
+        activations and under dynamic symmetric ones."""
+        o = self.options
+        with torch.inference_mode():
+            x = stats.rows.to(linear.weight.dtype)
+            reference = linear(x).float()
+            static = Int8Linear.from_linear(linear, o.format_for(linear), None,
+                                            static_qparams(stats, o.activation_symmetric))
+            dynamic = Int8Linear.from_linear(linear, o.format_for(linear, dynamic=True))
+            return token_relative_error(static(x), reference), token_relative_error(dynamic(x), reference)
 
     def _kv_cache(self, model: Transformer, context: PassContext) -> dict:
         """The INT8 KV cache's entry, calibrated on the quantized model (after the weights: K/V are
@@ -290,17 +358,17 @@ class Int8Pass(Pass):
             del trial
         return scores
 
-    def _convert(self, model: Transformer, name: str, stats: InputStatistics) -> LayerDecision:
+    def _convert(self, model: Transformer, name: str, stats: InputStatistics, dynamic: bool = False) -> LayerDecision:
         o = self.options
         linear = model.get_submodule(name)
-        fmt = o.format_for(linear)
+        fmt = o.format_for(linear, dynamic)
         weight = None
         if o.weight_rounding == "gptq":
             scale = weight_scale(linear.weight)[:, None]
             weight = gptq_round(linear.weight, stats.hessian,
                                 lambda cols, _: dequantize_weight(quantize_weight(cols, scale[:, 0]), scale[:, 0]),
                                 damp=o.gptq_damp)
-        row = LayerDecision(name, "int8", "requested")
+        row = LayerDecision(name, "int8", "dynamic_fallback: its static range costs most" if dynamic else "requested")
         clips = STATIC_CLIPS if fmt.static and o.static_range == "search" else (1.0,)
         best, q = math.inf, None
         with torch.inference_mode():
@@ -347,6 +415,11 @@ class Int8Pass(Pass):
         if excluded:
             report.notes.append(f"not converted (modules_to_not_convert): {', '.join(excluded)}")
         return report
+
+
+def _unit_label(names: list[str]) -> str:
+    """``layers.0.self_attn.q_proj/k_proj/v_proj`` for a unit's Linears."""
+    return names[0] + "".join("/" + n.rpartition(".")[2] for n in names[1:])
 
 
 def _firsts(groups: list[tuple[int, ScalingGroup]]) -> list[str]:

@@ -106,8 +106,9 @@ class PassPlan:
     of its plan when it runs (AWQ: each layer's group size and why) returns a subclass."""
 
     formats: dict[str, dict] = field(default_factory=dict)  # module -> the storage format it will get (its claims)
-    # module -> the wider format the pass may give it instead once it has measured the layer (AWQ's average_bits:
-    # INT8 W8A16; gguf:q4_k_m: Q6_K), so that the target is checked for it before any work
+    # module -> the other format the pass may give it instead once it has measured the layer (AWQ's average_bits:
+    # INT8 W8A16; gguf:q4_k_m: Q6_K; int8's dynamic_fallback: dynamic activations), so that the target is checked
+    # for it before any work
     alternatives: dict[str, dict] = field(default_factory=dict)
 
 
@@ -118,7 +119,7 @@ class CompilePlan:
     meta: Transformer  # the model on the meta device: every module's name and shape, no weights
     passes: dict["Pass", PassPlan]  # each pass of the pipeline, in order -> its plan
     formats: dict[str, dict]  # every planned module's storage format, over all the passes
-    alternatives: dict[str, dict] = field(default_factory=dict)  # the wider formats passes may give instead
+    alternatives: dict[str, dict] = field(default_factory=dict)  # the other formats passes may give instead
 
 
 @dataclass
@@ -369,7 +370,7 @@ class Pipeline:
         return CompilePlan(meta, plans, formats, alternatives)
 
     def _check_target(self, formats: dict[str, dict], alternatives: dict[str, dict], model_config: ModelConfig) -> None:
-        """Whether the target runs every planned format (and every wider one a pass may choose instead) and the
+        """Whether the target runs every planned format (and every other one a pass may choose instead) and the
         deployment as a whole."""
         from compiler.deploy.targets import DeploymentPlan, check_formats, check_plan
 
@@ -377,7 +378,7 @@ class Pipeline:
                               config=model_config)
         try:
             check_formats(self.config.target.name, formats, "pipeline")
-            check_formats(self.config.target.name, alternatives, "pipeline (the wider format a pass may give a layer "
+            check_formats(self.config.target.name, alternatives, "pipeline (the other format a pass may give a layer "
                           "it measures sensitive)")
             check_plan(self.config.target.name, plan, "pipeline")
         except ConfigError as e:

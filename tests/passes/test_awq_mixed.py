@@ -194,7 +194,7 @@ def test_a_target_that_cannot_run_the_wider_format_is_refused_before_any_work(ch
     model_config = load_checkpoint(checkpoint).model.config
     try:
         d = {"calibration": CALIBRATION, "passes": [{"name": "awq", **awq}], "target": {"name": "test-no-wider"}}
-        with pytest.raises(PipelineValidationError, match=rf"^pipeline \(the wider format a pass may give a layer it "
+        with pytest.raises(PipelineValidationError, match=rf"^pipeline \(the other format a pass may give a layer it "
                            rf"measures sensitive\): target 'test-no-wider' cannot run layers\.0\.\S+ \(and \d+ more "
                            rf"layers\): no {refused} layers$"):
             Pipeline(PipelineConfig.from_dict(d)).validate(model_config)

@@ -205,6 +205,9 @@ def test_the_engine_fuses_int8_projections_of_one_input(tiny, tmp_path):
     ({"activation_scheme": "sometimes"}, "activation_scheme"),
     ({"validation_windows": 0}, "validation_windows"),
     ({"modules_to_not_convert": ["lm_haed"]}, "lm_haed"),
+    ({"dynamic_fallback": 2}, "dynamic_fallback keeps units of a static model dynamic"),
+    ({"activation_scheme": "static", "dynamic_fallback": -1}, "dynamic_fallback must be >= 0"),
+    ({"activation_scheme": "static", "dynamic_fallback": 9}, "dynamic_fallback = 9, but this model has 8 units"),
 ])
 def test_bad_options_are_refused_before_any_work(tiny, tmp_path, options, says):
     with pytest.raises((ConfigError, PipelineValidationError, ValueError), match=says):
@@ -321,3 +324,49 @@ def test_one_pass_declares_the_kv_cache(tiny, tmp_path):
                                                       "already declares the KV cache") as err:
         compile_loaded(tiny(), config, tmp_path / "a")
     assert "\n" not in str(err.value) and not (tmp_path / "a").exists()
+
+
+@torch.no_grad()
+def test_dynamic_fallback_ranks_the_unit_whose_inputs_hold_a_few_huge_tokens_first(tiny):
+    """One down_proj whose sampled inputs have 2% of tokens 30x larger: one static range must span
+    them and crushes every other token, where a range per token does not; it is the costliest unit."""
+    from compiler.pipeline.calibration import InputStatistics
+
+    model = tiny().model
+    op = Int8Pass(Int8Options(activation_scheme="static", dynamic_fallback=2))
+    candidates = op._select(model)[0]
+    torch.manual_seed(0)
+    stats = {}
+    for name in candidates:
+        x = torch.randn(256, model.get_submodule(name).in_features)
+        if name == "layers.1.mlp.down_proj":
+            x[::50] *= 30
+        stats[name] = InputStatistics(InputRequest(channel_range=True, rows=256), x.shape[1])
+        stats[name].add(x)
+    units = op._dynamic_units(model, candidates, stats)
+    print([(names, round(s, 4), round(d, 4)) for names, s, d in units])
+    assert len(units) == 2 and units[0][0] == ["layers.1.mlp.down_proj"]
+    assert units[0][1] > 3 * units[0][2]
+    assert len(op._units(model, candidates)) == 2 * 4  # q/k/v, o, gate/up, down in each of 2 layers
+    alternatives = op.plan(model).alternatives  # what the target is checked for before any work
+    assert set(alternatives) == set(candidates)
+    assert all(f["activation_scheme"] == "dynamic" and f["activation_symmetric"] for f in alternatives.values())
+
+
+@torch.no_grad()
+def test_dynamic_fallback_keeps_whole_units_dynamic_and_reloads(tiny, tmp_path):
+    loaded = tiny()
+    result = compile_loaded(loaded, pipeline(activation_scheme="static", smoothing_strength=0.5, dynamic_fallback=3),
+                            tmp_path / "a")
+    in_memory = loaded.model(ids())
+    assert torch.equal(load_artifact(result.path).model(ids()), in_memory)
+    manifest = read_manifest(result.path)
+    dynamic = sorted(n for n, m in manifest.modules.items() if m["activation_scheme"] == "dynamic")
+    assert dynamic == manifest.reports[-1]["metrics"]["dynamic_fallback"]
+    assert all(manifest.modules[n]["activation_symmetric"] for n in dynamic)
+    units = Int8Pass(Int8Options())._units(loaded.model, list(manifest.modules))
+    assert sum(set(u) <= set(dynamic) for u in units) == 3 and all(set(u) <= set(dynamic) or not set(u) & set(dynamic)
+                                                                   for u in units)
+    rows = {r["module"]: r for r in manifest.reports[-1]["layers"]}
+    assert all(("input_scale" in rows[n]["metrics"]) == (n not in dynamic) for n in manifest.modules)
+    assert any("keep dynamic symmetric activations" in note for note in manifest.reports[-1]["notes"])

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -152,9 +153,10 @@ def npu_w8a16(x: torch.Tensor, t: dict[str, torch.Tensor], bias: torch.Tensor | 
 
 # -- artifacts ---------------------------------------------------------------------------------
 def int8_artifact(tmp_path: Path, arch: str = "llama", dtype: str = "bfloat16", scheme="dynamic",
-                  symmetric: bool = True, zero_point: int = 7, tokenizer=None, tweak=None, kv_cache: bool = False,
+                  symmetric: bool | Callable[[str], bool] = True, zero_point: int = 7, tokenizer=None, tweak=None, kv_cache: bool = False,
                   **overrides) -> Path:
-    """A tiny model with every linear but lm_head INT8 (``scheme`` may be a function of the layer name);
+    """A tiny model with every linear but lm_head INT8 (``scheme`` and ``symmetric`` may be functions of
+    the layer name);
     ``kv_cache``: with an INT8 KV cache calibrated on the quantized model's K/V (as the int8 pass does)."""
     hf_dir = tmp_path / f"hf-{arch}"
     make_hf_model(arch, **overrides).save_pretrained(hf_dir)
@@ -168,7 +170,7 @@ def int8_artifact(tmp_path: Path, arch: str = "llama", dtype: str = "bfloat16", 
                 linear.bias.copy_(torch.randn(linear.bias.shape, generator=torch.Generator().manual_seed(len(name))))
         if kind == "float":
             continue
-        sym = symmetric if kind != "none" else True
+        sym = (symmetric(name) if callable(symmetric) else symmetric) if kind != "none" else True
         fmt = Int8Format.for_linear(linear, activation_scheme=kind, activation_symmetric=sym)
         qparams = (INPUT_SCALE, None if sym else zero_point) if kind == "static" else None
         loaded.model.set_submodule(name, Int8Linear.from_linear(linear, fmt, input_qparams=qparams))
@@ -379,6 +381,25 @@ def test_atc_bundle_is_unchanged_by_the_directory(tmp_path, monkeypatch):
     a, b = (json.loads((tmp_path / d / "bundle.json").read_text()) for d in ("with", "without"))
     a["extras"].pop("notes"), b["extras"].pop("notes")
     assert a == b
+
+
+def _dynamic_down(name):
+    return "dynamic" if name.endswith("down_proj") else "static"
+
+
+def test_static_model_with_dynamic_units_gives_each_layer_its_type(tmp_path, monkeypatch):
+    """The int8 pass's dynamic_fallback: static W8A8 layers beside W8A8_DYNAMIC ones, each with its own
+    type and tensors (vllm-ascend picks a scheme per layer); the model's type is the highest present."""
+    artifact = int8_artifact(tmp_path, "llama", "bfloat16", _dynamic_down, lambda name: _dynamic_down(name) == "dynamic")
+    description, tensors, _ = lower(artifact, tmp_path / "b", monkeypatch)
+    assert description["model_quant_type"] == "W8A8"
+    for prefix in vllm_prefixes(load_artifact(artifact).model.config.n_layers):
+        if prefix in ("model.embed_tokens", "lm_head"):
+            continue
+        kind = "W8A8_DYNAMIC" if prefix.endswith("down_proj") else "W8A8"
+        assert vllm_ascend_layer_type(description, prefix) == kind, prefix
+    for name in quantized_modules(load_artifact(artifact).model):
+        assert (f"model.{name}.input_scale" in tensors) == (not name.endswith("down_proj")), name
 
 
 # -- refusals ----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from backends.vllm.schemes import check_experts, check_fused
 from compiler.deploy.lowering import lower
 from compiler.errors import ConfigError, PipelineValidationError
 from compiler.formats.qlinear import quantized_modules
-from compiler.io.artifact import load_artifact
+from compiler.io.artifact import load_artifact, read_manifest
 from compiler.model.config import ModelConfig
 
 
@@ -191,6 +191,22 @@ def test_int8_w8a8_checkpoint_holds_the_artifacts_codes(checkpoint, tmp_path, op
         if module.input_zero_point is not None:
             zero_point = tensors[f"model.{name}.input_zero_point"]
             assert zero_point.dtype == torch.int8 and zero_point.tolist() == module.input_zero_point.tolist()
+
+
+def test_int8_static_with_dynamic_units_is_two_config_groups(checkpoint, tmp_path):
+    pipeline = {"passes": [{"name": "int8", "smoothing_strength": 0.5, "activation_scheme": "static",
+                            "dynamic_fallback": 2}]}
+    artifact = compile_for(checkpoint, pipeline, tmp_path / "artifact")
+    out = lower(artifact, "vllm", tmp_path / "vllm").path
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert q["format"] == "int-quantized"
+    targets = {g["input_activations"]["dynamic"]: set(g["targets"]) for g in q["config_groups"].values()}
+    modules = read_manifest(artifact).modules
+    assert targets[True] == {f"model.{n}" for n, m in modules.items() if m["activation_scheme"] == "dynamic"}
+    assert targets[False] == {f"model.{n}" for n, m in modules.items() if m["activation_scheme"] == "static"}
+    assert targets[True] and targets[False]
+    tensors = read_tensors(out)
+    assert all((f"{t}.input_scale" in tensors) == (t in targets[False]) for t in targets[True] | targets[False])
 
 
 def test_int8_weight_only_is_pack_quantized_8_bit(checkpoint, tmp_path):
