@@ -50,11 +50,11 @@ Phases, the model in memory (``scope`` "model": the strength is chosen on whole-
    relative output error on the sampled calibration rows (the quantized activations included).
    With ``dynamic_fallback = N`` (static activations) the units first ranked: a unit is the Linears
    reading one input (a block's q/k/v, o_proj, gate/up or down_proj, which vLLM and vllm-ascend
-   fuse or run alone, so one unit has one activation scheme); its cost is the mean per-token output
-   error its static range adds over dynamic symmetric activations on its sampled rows (RTN weights),
-   and the N costliest keep dynamic symmetric activations: one range per tensor cannot serve the
-   tokens of a layer whose inputs carry a few huge values (the attention sinks, the massive
-   activations of an early down_proj). The report names them with both errors.
+   fuse or run alone, so one unit has one activation scheme); its cost is how much the model's KL
+   from float on the validation windows drops when that unit alone takes dynamic symmetric
+   activations on a copy with every other unit static (RTN weights, as the strengths are scored),
+   and the N costliest keep them: one range per tensor cannot serve the tokens of a layer whose
+   inputs carry a few huge values. The report names them with the KL each leaves.
 4. **KV cache** (``kv_cache_dtype = "int8"``): K (after the rotary embedding) and V of every layer
    over the calibration windows, through the quantized model (its K/V come from the INT8 q/k/v
    projections the artifact runs, so their ranges are the served model's); one scale per channel
@@ -204,8 +204,8 @@ class Int8Pass(Pass):
         memory = {"calibration statistics (every block)": config.n_layers * per_block,
                   "model forward (one batch)": forward + chunk * config.n_heads * calibration.seq_len * 4,
                   "INT8 weights (every block)": converted_weights(model, 1)}
-        if len(o.alphas) > 1:
-            memory["a copy of the model per smoothing strength tried"] = converted_weights(model, dtype_bytes)
+        if len(o.alphas) > 1 or o.dynamic_fallback:  # one at a time: each strength tried, then the fallback's ranking
+            memory["a copy of the model (a trial)"] = converted_weights(model, dtype_bytes)
         return memory
 
     def run(self, model: Transformer, context: PassContext) -> PassReport:
@@ -229,7 +229,7 @@ class Int8Pass(Pass):
         request = InputRequest(gram="all" if o.weight_rounding == "gptq" else "none", rows=o.error_tokens,
                                channel_range=o.activation_scheme == "static")
         stats = self._statistics(model, context, {n: request for n in candidates}, "int8: calibrating")
-        fallback = self._dynamic_units(model, candidates, stats) if o.dynamic_fallback else []
+        fallback = self._dynamic_units(model, context, candidates, stats) if o.dynamic_fallback else []
         dynamic = {name for names, _, _ in fallback for name in names}
         rows = [self._convert(model, name, stats[name], dynamic=name in dynamic)
                 for name in track(candidates, "int8: quantizing layers")]
@@ -237,8 +237,8 @@ class Int8Pass(Pass):
         if fallback:
             report.metrics["dynamic_fallback"] = sorted(dynamic)
             report.notes.append(f"{len(fallback)} units keep dynamic symmetric activations, their static range costing "
-                                "most (mean per-token output error, static → dynamic): " + ", ".join(
-                                    f"{_unit_label(names)} {static:.4f} → {dyn:.4f}" for names, static, dyn in fallback))
+                                f"most (validation KL from float, all static {fallback[0][1]:.4f}, with the unit alone "
+                                "dynamic): " + ", ".join(f"{_unit_label(names)} {kl:.4f}" for names, _, kl in fallback))
         if o.kv_cache_dtype == INT8:
             context.manifest_extras["kv_cache"] = self._kv_cache(model, context)
             report.metrics["kv_cache"] = f"{INT8} {o.kv_cache_granularity}"
@@ -253,30 +253,37 @@ class Int8Pass(Pass):
                     units.append(names)
         return units
 
-    def _dynamic_units(self, model: Transformer, candidates: list[str], stats: dict[str, InputStatistics]
-                       ) -> list[tuple[list[str], float, float]]:
-        """The ``dynamic_fallback`` units whose static range adds the most output error over dynamic
-        symmetric activations, costliest first: (their Linears, the static error, the dynamic error),
-        each the mean per-token relative output error over the unit's Linears on their sampled rows,
-        weights rounded to nearest (GPTQ rounds the same weights either way)."""
-        costs = []
-        for names in track(self._units(model, candidates), "int8: the static ranges' cost"):
-            errors = [self._activation_errors(model.get_submodule(n), stats[n]) for n in names]
-            costs.append((names, *(sum(e) / len(e) for e in zip(*errors, strict=True))))
-        costs.sort(key=lambda unit: unit[1] - unit[2], reverse=True)
-        return costs[: self.options.dynamic_fallback]
-
-    def _activation_errors(self, linear: nn.Linear, stats: InputStatistics) -> tuple[float, float]:
-        """``linear``'s per-token relative output error on its sampled rows under the configured static
-        activations and under dynamic symmetric ones."""
+    def _dynamic_units(self, model: Transformer, context: PassContext, candidates: list[str],
+                       stats: dict[str, InputStatistics]) -> list[tuple[list[str], float, float]]:
+        """The ``dynamic_fallback`` units whose static range costs the model most, costliest first:
+        (their Linears, the model's KL from float all static, the same with that unit alone dynamic),
+        mean per-token KL on the validation windows of a copy with RTN weights (as the strengths are
+        scored). One forward over them per unit: a unit's own output error missed what follows it."""
         o = self.options
+        windows = context.validation_windows(o.validation_windows)
+        trial = copy.deepcopy(model)
         with torch.inference_mode():
-            x = stats.rows.to(linear.weight.dtype)
-            reference = linear(x).float()
-            static = Int8Linear.from_linear(linear, o.format_for(linear), None,
-                                            static_qparams(stats, o.activation_symmetric))
-            dynamic = Int8Linear.from_linear(linear, o.format_for(linear, dynamic=True))
-            return token_relative_error(static(x), reference), token_relative_error(dynamic(x), reference)
+            reference = teacher_logits(model, windows)
+            static, dynamic = {}, {}
+            for name in candidates:
+                linear = trial.get_submodule(name)
+                static[name] = Int8Linear.from_linear(linear, o.format_for(linear), None,
+                                                      static_qparams(stats[name], o.activation_symmetric))
+                dynamic[name] = Int8Linear.from_linear(linear, o.format_for(linear, dynamic=True))
+                trial.set_submodule(name, static[name])
+
+            def kl() -> float:
+                return compare_on_windows(model, trial, windows, reference=reference)["kl"]
+
+            base, costs = kl(), []
+            for names in track(self._units(model, candidates), "int8: KL of each unit's static range"):
+                for name in names:
+                    trial.set_submodule(name, dynamic[name])
+                costs.append((names, base, kl()))
+                for name in names:
+                    trial.set_submodule(name, static[name])
+        costs.sort(key=lambda unit: unit[2])  # least KL with the unit dynamic: its static range cost most
+        return costs[: o.dynamic_fallback]
 
     def _kv_cache(self, model: Transformer, context: PassContext) -> dict:
         """The INT8 KV cache's entry, calibrated on the quantized model (after the weights: K/V are
