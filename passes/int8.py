@@ -192,8 +192,8 @@ class Int8Pass(Pass):
                               "attention); compile it with the fp8 or awq pass")
         units = len(self._units(model, self._select(model)[0]))
         if self.options.dynamic_fallback > units:
-            raise ConfigError(f"dynamic_fallback = {self.options.dynamic_fallback}, but this model has {units} units of "
-                              "converted Linears (a block's q/k/v, o_proj, gate/up, down_proj); give at most that")
+            raise ConfigError(f"dynamic_fallback = {self.options.dynamic_fallback}, but this model has {units} units "
+                              "of converted Linears (a block's q/k/v, o_proj, gate/up, down_proj); give at most that")
 
     def working_memory(self, model: Transformer, calibration, dtype_bytes: int, streamed: bool) -> dict[str, int]:
         o, config = self.options, model.config
@@ -255,7 +255,7 @@ class Int8Pass(Pass):
 
     def _dynamic_units(self, model: Transformer, context: PassContext, candidates: list[str],
                        stats: dict[str, InputStatistics]) -> list[tuple[list[str], float, float]]:
-        """The ``dynamic_fallback`` units whose static range costs the model most, costliest first:
+        """The ``dynamic_fallback`` units (at most) whose static range costs the model most, costliest first:
         (their Linears, the model's KL from float all static, the same with that unit alone dynamic),
         mean per-token KL on the validation windows of a copy with RTN weights (as the strengths are
         scored). One forward over them per unit: a unit's own output error missed what follows it."""
@@ -283,7 +283,7 @@ class Int8Pass(Pass):
                 for name in names:
                     trial.set_submodule(name, static[name])
         costs.sort(key=lambda unit: unit[2])  # least KL with the unit dynamic: its static range cost most
-        return costs[: o.dynamic_fallback]
+        return [unit for unit in costs[: o.dynamic_fallback] if unit[2] < base]  # one that gains nothing stays static
 
     def _kv_cache(self, model: Transformer, context: PassContext) -> dict:
         """The INT8 KV cache's entry, calibrated on the quantized model (after the weights: K/V are
