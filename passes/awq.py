@@ -60,6 +60,7 @@ from compiler.deploy.targets import get_target
 from compiler.errors import ConfigError
 from compiler.formats.gguf_block import GgufLinear
 from compiler.formats.int4 import Int4Linear
+from compiler.model.fusion import fused_unit
 from compiler.model.moe import every_token_to, router_names
 from compiler.pipeline import (
     BlockStream,
@@ -188,10 +189,7 @@ def sensitivity_unit(name: str, opts: AWQOptions) -> str:
     """The layers that get the wider grid together: with ``average_bits`` what vLLM and the engine run as
     one layer (a block's q/k/v, its gate/up, a MoE layer's experts: one scheme each); q4_k_m's Q6_K is
     per tensor, as llama.cpp's recipe."""
-    if opts.average_bits is None:
-        return name
-    name = re.sub(r"\.experts\.\d+\.\w+$", ".experts", name)
-    return re.sub(r"\.(gate_proj|up_proj)$", ".gate_up", re.sub(r"\.(q_proj|k_proj|v_proj)$", ".qkv", name))
+    return name if opts.average_bits is None else fused_unit(name)
 
 
 def stored_bits(module: torch.nn.Module) -> float:

@@ -68,7 +68,9 @@ experts are not implemented here): compile them with ``fp8`` or ``awq``.
 from __future__ import annotations
 
 import copy
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -81,6 +83,7 @@ from compiler.formats.int8 import Int8Format, Int8Linear
 from compiler.formats.kv_quant import INT8, install_kv_quant, kv_cache_entry
 from compiler.formats.qlinear import linear_modules
 from compiler.model.config import ModelConfig
+from compiler.model.fusion import fused_unit
 from compiler.model.transformer import Transformer
 from compiler.pipeline import LayerDecision, Pass, PassContext, PassPlan, PassReport, register_pass
 from compiler.pipeline.calibration import InputRequest, InputStatistics
@@ -100,6 +103,7 @@ STATIC_CLIPS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1)  # shrin
 NORMS = ("layernorm", "_norm")  # a group whose prev is named so is one SmoothQuant smooths by default
 PER_GROUP = "per group"  # the label of the strengths searched per group
 Strengths = float | list[float]  # one α for every group, or one per group
+Validation = Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]  # the validation windows, the float logits on them
 
 
 @dataclass
@@ -190,7 +194,7 @@ class Int8Pass(Pass):
         if config.spec.is_moe or config.spec.attention == "mla" or config.architecture not in SMOOTHING:
             raise ConfigError(f"the int8 pass does not handle {config.architecture} (mixture of experts or latent "
                               "attention); compile it with the fp8 or awq pass")
-        units = len(self._units(model, self._select(model)[0]))
+        units = len(self._units(self._select(model)[0]))
         if self.options.dynamic_fallback > units:
             raise ConfigError(f"dynamic_fallback = {self.options.dynamic_fallback}, but this model has {units} units "
                               "of converted Linears (a block's q/k/v, o_proj, gate/up, down_proj); give at most that")
@@ -215,6 +219,8 @@ class Int8Pass(Pass):
         scores: dict[str, dict[str, float]] = {}
         strengths: dict[str, Strengths] = {str(a): a for a in o.alphas}
         chosen = next(iter(strengths))
+        # the float model's logits on the validation windows, once for the strengths and the fallback's ranking
+        validation = functools.cache(functools.partial(self._float_on_validation, model, context))
         if groups:
             # every converted input's range (static trials' ranges) and each group's rows (the per-group search)
             requests = {n: InputRequest(channel_range=True) for n in candidates}
@@ -223,47 +229,53 @@ class Int8Pass(Pass):
             if o.smoothing_strength == "auto":
                 strengths[PER_GROUP] = self._search_per_group(model, groups, ranges)
             if len(strengths) > 1:
-                scores = self._score_strengths(model, context, groups, ranges, candidates, strengths)
+                scores = self._score_strengths(model, validation, groups, ranges, candidates, strengths)
                 chosen = min(scores, key=lambda label: scores[label]["kl"])
             smooth(model, groups, ranges, strengths[chosen])
         request = InputRequest(gram="all" if o.weight_rounding == "gptq" else "none", rows=o.error_tokens,
                                channel_range=o.activation_scheme == "static")
         stats = self._statistics(model, context, {n: request for n in candidates}, "int8: calibrating")
-        fallback = self._dynamic_units(model, context, candidates, stats) if o.dynamic_fallback else []
+        fallback = self._dynamic_units(model, validation, candidates, stats) if o.dynamic_fallback else []
         dynamic = {name for names, _, _ in fallback for name in names}
         rows = [self._convert(model, name, stats[name], dynamic=name in dynamic)
                 for name in track(candidates, "int8: quantizing layers")]
         report = self._report(excluded, rows, strengths[chosen] if groups else None, chosen, scores)
         if fallback:
             report.metrics["dynamic_fallback"] = sorted(dynamic)
+            chosen_units = ", ".join(f"{fused_unit(names[0])} {kl:.4f}" for names, _, kl in fallback)
             report.notes.append(f"{len(fallback)} units keep dynamic symmetric activations, their static range costing "
                                 f"most (validation KL from float, all static {fallback[0][1]:.4f}, with the unit alone "
-                                "dynamic): " + ", ".join(f"{_unit_label(names)} {kl:.4f}" for names, _, kl in fallback))
+                                f"dynamic): {chosen_units}")
         if o.kv_cache_dtype == INT8:
             context.manifest_extras["kv_cache"] = self._kv_cache(model, context)
             report.metrics["kv_cache"] = f"{INT8} {o.kv_cache_granularity}"
         return report
 
-    def _units(self, model: Transformer, candidates: list[str]) -> list[list[str]]:
-        """The converted Linears grouped by the input they read (a block's q/k/v, o_proj, gate/up, down_proj)."""
-        converted, units = set(candidates), []
-        for i in range(model.config.n_layers):
-            for group in layer_groups(model.config, i):
-                if names := [f"layers.{i}.{n}" for n in group.linears if f"layers.{i}.{n}" in converted]:
-                    units.append(names)
-        return units
+    @staticmethod
+    def _units(candidates: list[str]) -> list[list[str]]:
+        """The converted Linears grouped as vLLM serves them (``fused_unit``: q/k/v, gate/up; o_proj and
+        down_proj alone), so that each unit has one activation scheme."""
+        units: dict[str, list[str]] = {}
+        for name in candidates:
+            units.setdefault(fused_unit(name), []).append(name)
+        return list(units.values())
 
-    def _dynamic_units(self, model: Transformer, context: PassContext, candidates: list[str],
+    def _float_on_validation(self, model: Transformer, context: PassContext) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The validation windows and the float model's logits on them (smoothing leaves it the same function)."""
+        windows = context.validation_windows(self.options.validation_windows)
+        with torch.inference_mode():
+            return windows, teacher_logits(model, windows)
+
+    def _dynamic_units(self, model: Transformer, validation: Validation, candidates: list[str],
                        stats: dict[str, InputStatistics]) -> list[tuple[list[str], float, float]]:
         """The ``dynamic_fallback`` units (at most) whose static range costs the model most, costliest first:
         (their Linears, the model's KL from float all static, the same with that unit alone dynamic),
         mean per-token KL on the validation windows of a copy with RTN weights (as the strengths are
         scored). One forward over them per unit: a unit's own output error missed what follows it."""
         o = self.options
-        windows = context.validation_windows(o.validation_windows)
+        windows, reference = validation()
         trial = copy.deepcopy(model)
         with torch.inference_mode():
-            reference = teacher_logits(model, windows)
             static, dynamic = {}, {}
             for name in candidates:
                 linear = trial.get_submodule(name)
@@ -276,7 +288,7 @@ class Int8Pass(Pass):
                 return compare_on_windows(model, trial, windows, reference=reference)["kl"]
 
             base, costs = kl(), []
-            for names in track(self._units(model, candidates), "int8: KL of each unit's static range"):
+            for names in track(self._units(candidates), "int8: KL of each unit's static range"):
                 for name in names:
                     trial.set_submodule(name, dynamic[name])
                 costs.append((names, base, kl()))
@@ -340,15 +352,13 @@ class Int8Pass(Pass):
                 errors.append(token_relative_error(y, reference))
         return sum(errors) / len(errors)
 
-    def _score_strengths(self, model: Transformer, context: PassContext, groups, ranges, candidates,
-                         strengths: dict[str, Strengths]) -> dict[str, dict[str, float]]:
+    def _score_strengths(self, model: Transformer, validation: Validation,
+                         groups, ranges, candidates, strengths: dict[str, Strengths]) -> dict[str, dict[str, float]]:
         """{label: {"kl", "nll"}} on the validation windows of a copy smoothed by that strength and
         RTN-quantized with the configured activations (static ranges: the calibrated ones, smoothed):
         the mean per-token KL from the float model, and the mean NLL."""
         o = self.options
-        windows = context.validation_windows(o.validation_windows)
-        with torch.inference_mode():
-            reference = teacher_logits(model, windows)  # smoothing leaves the float model as it is
+        windows, reference = validation()
         scores = {}
         for label, strength in track(list(strengths.items()), "int8: smoothing strengths"):
             trial = copy.deepcopy(model)
@@ -422,11 +432,6 @@ class Int8Pass(Pass):
         if excluded:
             report.notes.append(f"not converted (modules_to_not_convert): {', '.join(excluded)}")
         return report
-
-
-def _unit_label(names: list[str]) -> str:
-    """``layers.0.self_attn.q_proj/k_proj/v_proj`` for a unit's Linears."""
-    return names[0] + "".join("/" + n.rpartition(".")[2] for n in names[1:])
 
 
 def _firsts(groups: list[tuple[int, ScalingGroup]]) -> list[str]:

@@ -17,6 +17,7 @@ Anything else stays as it is, and ``fuse_projections`` says why.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import torch
@@ -29,6 +30,15 @@ from compiler.model.layers import MLP, Attention
 
 ATTENTION_SET = ("q_proj", "k_proj", "v_proj")
 MLP_SET = ("gate_proj", "up_proj")
+
+
+def fused_unit(name: str) -> str:
+    """The one layer vLLM (and this engine) runs module ``name`` as: a block's q/k/v ``….qkv``, its
+    gate/up ``….gate_up``, a MoE layer's experts ``….experts``; any other module is its own. The
+    members of a unit take one scheme."""
+    name = re.sub(r"\.experts\.\d+\.\w+$", ".experts", name)
+    name = re.sub(rf"\.({'|'.join(ATTENTION_SET)})$", ".qkv", name)
+    return re.sub(rf"\.({'|'.join(MLP_SET)})$", ".gate_up", name)
 
 
 def _layout(m: nn.Module) -> tuple | None:

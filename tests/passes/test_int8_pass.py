@@ -352,7 +352,7 @@ def test_dynamic_fallback_plans_the_dynamic_formats(tiny):
     model = tiny().model
     op = Int8Pass(Int8Options(activation_scheme="static", dynamic_fallback=2))
     candidates = op._select(model)[0]
-    assert len(op._units(model, candidates)) == 2 * 4  # q/k/v, o, gate/up, down in each of 2 layers
+    assert len(op._units(candidates)) == 2 * 4  # q/k/v, o, gate/up, down in each of 2 layers
     alternatives = op.plan(model).alternatives  # what the target is checked for before any work
     assert set(alternatives) == set(candidates)
     assert all(f["activation_scheme"] == "dynamic" and f["activation_symmetric"] for f in alternatives.values())
@@ -369,7 +369,7 @@ def test_dynamic_fallback_keeps_whole_units_dynamic_and_reloads(tiny, tmp_path):
     dynamic = sorted(n for n, m in manifest.modules.items() if m["activation_scheme"] == "dynamic")
     assert dynamic == manifest.reports[-1]["metrics"]["dynamic_fallback"]
     assert all(manifest.modules[n]["activation_symmetric"] for n in dynamic)
-    units = Int8Pass(Int8Options())._units(loaded.model, list(manifest.modules))
+    units = Int8Pass._units(list(manifest.modules))
     # at most 3 whole units (one whose dynamic activations gain nothing stays static)
     assert 1 <= sum(set(u) <= set(dynamic) for u in units) <= 3
     assert all(set(u) <= set(dynamic) or not set(u) & set(dynamic) for u in units)
